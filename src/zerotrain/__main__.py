@@ -1,0 +1,3 @@
+from zerotrain.cli import main
+
+raise SystemExit(main())

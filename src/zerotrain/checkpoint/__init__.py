@@ -1,0 +1,1 @@
+"""Sharded, atomic checkpoints; consolidation and export."""

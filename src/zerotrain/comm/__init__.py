@@ -1,0 +1,1 @@
+"""Process groups, launcher, collectives (native | ring) and byte counters."""

@@ -1,0 +1,239 @@
+"""The only door from zerotrain to the wire.
+
+Strategies call `Comm.all_reduce / reduce_scatter / all_gather`; this is where the
+algorithm is chosen (`native`: torch.distributed's own collective, `ring`: SPEC §5
+written over isend/irecv in `ring.py`) and where every byte is counted.
+
+Counting: for `ring` we record the bytes actually handed to isend/irecv (observed).
+For `native` the backend's internals are invisible, so we record the payload times the
+standard ring factor ((N-1)/N per reduce-scatter or all-gather pass) and label it
+computed. Only SUM is offered: strategies pre-divide gradients by the world size,
+which also works on backends without an AVG op (gloo).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ALGORITHMS = ("native", "ring")
+
+
+@dataclass
+class OpTraffic:
+    calls: int = 0
+    sent: int = 0
+    recv: int = 0
+    observed: bool = True  # False: computed from the algorithm's standard factor
+
+
+@dataclass
+class TrafficCounter:
+    """Bytes per (operation, purpose) since the last reset; one per Comm."""
+
+    ops: dict[tuple[str, str], OpTraffic] = field(default_factory=dict)
+
+    def add(self, op: str, purpose: str, sent: int, recv: int, observed: bool) -> None:
+        t = self.ops.setdefault((op, purpose), OpTraffic(observed=observed))
+        t.calls += 1
+        t.sent += int(sent)
+        t.recv += int(recv)
+        t.observed = t.observed and observed
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def total(self, exclude: tuple[str, ...] = ("control",)) -> tuple[int, int]:
+        sent = sum(t.sent for (_, p), t in self.ops.items() if p not in exclude)
+        recv = sum(t.recv for (_, p), t in self.ops.items() if p not in exclude)
+        return sent, recv
+
+    def snapshot(self) -> dict[str, dict]:
+        out: dict[str, dict] = defaultdict(dict)
+        for (op, purpose), t in sorted(self.ops.items()):
+            out[purpose][op] = {
+                "calls": t.calls, "sent_bytes": t.sent, "recv_bytes": t.recv,
+                "how": "observed" if t.observed else "computed",
+            }
+        return dict(out)
+
+
+class Handle:
+    """Uniform wait() over a torch Work, a ring job on the comm thread, or nothing."""
+
+    def __init__(self, work: object | None = None, done: threading.Event | None = None):
+        self._work = work
+        self._done = done
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._done is not None:
+            self._done.wait()
+            if self._error is not None:
+                raise self._error
+
+
+class _CommThread:
+    """One FIFO worker per Comm: async ring collectives run here, in submission order.
+
+    Every rank submits the same sequence, so the point-to-point exchanges pair up; the
+    thread uses its own process group so it never interleaves with main-thread calls.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._loop, name="zerotrain-comm", daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            fn, handle = job
+            try:
+                fn()
+            except BaseException as e:  # surfaced on wait()
+                handle._error = e
+            handle._done.set()
+
+    def submit(self, fn: Callable[[], None]) -> Handle:
+        h = Handle(done=threading.Event())
+        self._q.put((fn, h))
+        return h
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
+class Comm:
+    """Collectives over one process group, with an algorithm switch and byte counters."""
+
+    def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"comm.algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
+        self.group = group
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.world_size = dist.get_world_size(group) if self.active else 1
+        self.counter = TrafficCounter()
+        self._ring_group = None
+        self._thread: _CommThread | None = None
+        if self.active and algorithm == "ring" and self.world_size > 1:
+            ranks = dist.get_process_group_ranks(group) if group else list(range(self.world_size))
+            self._ring_group = dist.new_group(ranks)
+            self._thread = _CommThread()
+
+    # ------------------------------------------------------------------ helpers
+    def _ring(self, fn: Callable[[], tuple[int, int]], op: str, purpose: str,
+              async_op: bool) -> Handle:
+        def job() -> None:
+            sent, recv = fn()
+            self.counter.add(op, purpose, sent, recv, observed=True)
+
+        assert self._thread is not None
+        h = self._thread.submit(job)
+        if not async_op:
+            h.wait()
+        return h
+
+    def _native_factor(self) -> float:
+        return (self.world_size - 1) / self.world_size
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: Tensor, *, purpose: str = "grads",
+                   async_op: bool = False) -> Handle:
+        """In-place SUM across ranks."""
+        if self.world_size == 1:
+            return Handle()
+        if self.algorithm == "ring" and purpose != "control":
+            from zerotrain.comm.ring import ring_all_reduce
+
+            return self._ring(lambda: ring_all_reduce(tensor, self._ring_group),
+                              "all_reduce", purpose, async_op)
+        nbytes = tensor.numel() * tensor.element_size()
+        moved = 2 * self._native_factor() * nbytes
+        self.counter.add("all_reduce", purpose, moved, moved, observed=False)
+        return Handle(dist.all_reduce(tensor, group=self.group, async_op=async_op))
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, *, purpose: str = "grads",
+                       async_op: bool = False) -> Handle:
+        """SUM of `input` across ranks; rank r receives chunk r (len = output.numel())."""
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter input has {input.numel()} elements, expected "
+                f"{self.world_size} x {output.numel()} (pad the flat buffer)"
+            )
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle()
+        if self.algorithm == "ring":
+            from zerotrain.comm.ring import ring_reduce_scatter
+
+            return self._ring(lambda: ring_reduce_scatter(output, input, self._ring_group),
+                              "reduce_scatter", purpose, async_op)
+        moved = self._native_factor() * input.numel() * input.element_size()
+        self.counter.add("reduce_scatter", purpose, moved, moved, observed=False)
+        return Handle(_reduce_scatter(output, input, self.group, async_op))
+
+    def all_gather(self, output: Tensor, input: Tensor, *, purpose: str = "params",
+                   async_op: bool = False) -> Handle:
+        """Concatenate every rank's `input` into `output` (rank order)."""
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather output has {output.numel()} elements, expected "
+                f"{self.world_size} x {input.numel()}"
+            )
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle()
+        if self.algorithm == "ring":
+            from zerotrain.comm.ring import ring_all_gather
+
+            return self._ring(lambda: ring_all_gather(output, input, self._ring_group),
+                              "all_gather", purpose, async_op)
+        moved = self._native_factor() * output.numel() * output.element_size()
+        self.counter.add("all_gather", purpose, moved, moved, observed=False)
+        return Handle(_all_gather(output, input, self.group, async_op))
+
+    def all_reduce_scalars(self, values: list[float] | Tensor, device: torch.device | None = None,
+                           op: str = "sum") -> Tensor:
+        """Small control reductions (norms, overflow flags, eval losses): fp64, native."""
+        t = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.float64)
+        if device is not None:
+            t = t.to(device)
+        if self.world_size > 1:
+            rop = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            nbytes = t.numel() * t.element_size()
+            moved = 2 * self._native_factor() * nbytes
+            self.counter.add("all_reduce", "control", moved, moved, observed=False)
+            dist.all_reduce(t, op=rop, group=self.group)
+        return t
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+
+
+def _reduce_scatter(out: Tensor, inp: Tensor, group, async_op: bool):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _all_gather(out: Tensor, inp: Tensor, group, async_op: bool):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)

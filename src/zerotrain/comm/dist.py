@@ -1,0 +1,81 @@
+"""Process-group lifecycle: who am I, how many are we, which backend and device.
+
+Ranks are started by torchrun (or `zerotrain train --nproc N`, which wraps it); this
+module only reads the environment torchrun sets and opens the default group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None when running as a single process without a group
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def pick_device(kind: str = "auto", local_rank: int = 0) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device is 'cuda' but no CUDA device is visible; use 'cpu'")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise RuntimeError("comm.backend 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on CPU")
+    return requested
+
+
+def init_distributed(
+    device: str = "auto", backend: str = "auto", timeout_s: int = 600
+) -> DistInfo:
+    """Open the default process group when launched by torchrun; otherwise world size 1."""
+    if not launched_by_torchrun():
+        return DistInfo(0, 1, 0, pick_device(device), None)
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    dev = pick_device(device, local_rank)
+    be = pick_backend(backend, dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            be, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return DistInfo(rank, world, local_rank, dev, be)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world_size), (0, 1) when no group is open."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Corpora, tokenisation and distributed sampling."""

@@ -1,0 +1,1 @@
+"""Float formats, loss scaling, precision policy."""

@@ -1,0 +1,1 @@
+"""Flat buffers and one Strategy per ZeRO stage."""
