@@ -8,6 +8,7 @@ fails the call with that rank's traceback. `fn` must be importable (module level
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -35,7 +36,11 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, q) -> No
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(*args)
         dist.barrier()
-        q.put((rank, True, result))
+        # Serialise here: tensors sent through a Queue share memory with a process that is
+        # about to exit.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        q.put((rank, True, buf.getvalue()))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -59,7 +64,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -
         for _ in range(world_size):
             rank, ok, payload = q.get(timeout=timeout)
             if ok:
-                results[rank] = payload
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the others may now hang on a collective; stop them below

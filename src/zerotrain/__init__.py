@@ -1,4 +1,4 @@
-"""zerotrain: a legible LLM training framework (optimizers, formats, mixed precision, ring, ZeRO)."""
+"""zerotrain: a legible LLM training framework (optimizers, formats, mixed precision, ZeRO)."""
 
 __version__ = "0.1.0"
 

@@ -66,7 +66,9 @@ class OptimizerConfig(_Section):
     weight_decay: float = Field(0.1, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0.0)
-    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD/RMSProp momentum; Muon uses 0.95 if 0")
+    momentum: float = Field(
+        0.0, ge=0.0, lt=1.0, description="SGD/RMSProp momentum; Muon uses 0.95 if 0"
+    )
     dampening: float = Field(0.0, ge=0.0, le=1.0)
     nesterov: bool = False
     alpha: float = Field(0.99, gt=0.0, lt=1.0, description="RMSProp smoothing")
@@ -167,7 +169,9 @@ class TrainConfig(_Section):
     steps: int = Field(1000, ge=1)
     seed: int = 1337
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int | None = Field(None, ge=1, description="torch threads per rank (default: cores/ranks)")
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per rank (default: cores / local ranks)"
+    )
 
 
 class Config(_Section):
@@ -278,7 +282,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     while i < len(args):
         tok = args[i]
         if not tok.startswith("--") or len(tok) <= 2:
-            raise ConfigError(f"unexpected argument '{tok}'; overrides look like --section.key VALUE")
+            raise ConfigError(
+                f"unexpected argument '{tok}'; overrides look like --section.key VALUE")
         body = tok[2:]
         if "=" in body:
             key, raw = body.split("=", 1)
@@ -313,7 +318,8 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+def load_config(path: str | Path | None = None,
+                overrides: list[str] | dict | None = None) -> Config:
     data = read_config_file(path) if path else {}
     if overrides:
         extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides

@@ -94,8 +94,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits (B, T, V), or the mean FP32 cross-entropy when targets are given."""
-        B, T = idx.shape
-        if T > self.cfg.block_size:
+        T = idx.shape[1]
+        if self.cfg.block_size < T:
             raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))

@@ -1,0 +1,230 @@
+"""Ring all-reduce (SPEC §5) written over point-to-point isend/irecv.
+
+This is the legible twin of torch.distributed's built-in collectives: the same result,
+with every chunk movement visible. One pure function, `ring_schedule`, says who sends
+which chunk at each step; the tensor code below and the symbolic walk-through in
+`ring_explain.py` both read it, so the explanation cannot drift from the implementation.
+
+Schedule for N ranks, chunk indices mod N:
+  reduce-scatter, step s = 0..N-2: rank r sends chunk (r-s) to r+1 and adds the chunk
+      (r-s-1) it receives from r-1. Afterwards rank r holds the full sum of chunk r+1.
+  all-gather, step s = 0..N-2: rank r sends its finished chunk (r+1-s) to r+1 and
+      overwrites chunk (r-s) with what arrives from r-1.
+Each rank therefore sends 2(N-1)/N of the buffer: nearly independent of N.
+
+Every function returns (bytes_sent, bytes_received): the bytes this rank actually handed
+to isend / irecv, so the traffic counters report observations, not formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+REDUCE_SCATTER = "reduce-scatter"
+ALL_GATHER = "all-gather"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message of one step: `src` sends chunk `chunk` to its ring successor `dst`."""
+
+    src: int
+    dst: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ring step: every rank sends exactly one chunk (transfers[r].src == r)."""
+
+    phase: str  # REDUCE_SCATTER or ALL_GATHER
+    index: int  # 0-based within the phase
+    transfers: tuple[Transfer, ...]
+
+    def send_chunk(self, rank: int) -> int:
+        return self.transfers[rank].chunk
+
+    def recv_chunk(self, rank: int) -> int:
+        """The chunk `rank` receives: the one its predecessor sends."""
+        return self.transfers[(rank - 1) % len(self.transfers)].chunk
+
+
+def ring_schedule(n: int, shift: int = 0) -> list[Step]:
+    """The 2(N-1) steps of ring all-reduce over N ranks, exactly as SPEC §5 states them.
+
+    `shift` relabels chunks (chunk c becomes c + shift mod N). The standalone
+    reduce-scatter / all-gather use shift=-1 so that rank r finishes on chunk r (torch's
+    semantics) instead of chunk r+1, without a second, different schedule to get wrong.
+    """
+    if n < 1:
+        raise ValueError(f"a ring needs at least one rank, got {n}")
+    steps: list[Step] = []
+    for s in range(n - 1):
+        steps.append(Step(REDUCE_SCATTER, s, tuple(
+            Transfer(r, (r + 1) % n, (r - s + shift) % n) for r in range(n))))
+    for s in range(n - 1):
+        steps.append(Step(ALL_GATHER, s, tuple(
+            Transfer(r, (r + 1) % n, (r + 1 - s + shift) % n) for r in range(n))))
+    return steps
+
+
+def chunk_sizes(numel: int, n: int) -> list[int]:
+    """Split numel into n chunks whose sizes differ by at most one (larger ones first).
+
+    Any numel works, including numel < n (the tail chunks are empty and never sent).
+    """
+    base, extra = divmod(numel, n)
+    return [base + (1 if c < extra else 0) for c in range(n)]
+
+
+# ---------------------------------------------------------------------- plumbing
+@dataclass(frozen=True)
+class _Ring:
+    n: int
+    rank: int
+    prev: int  # global rank of r-1 (what isend/irecv address)
+    next: int  # global rank of r+1
+    group: dist.ProcessGroup | None
+
+
+def _ring(group: dist.ProcessGroup | None) -> _Ring:
+    if not (dist.is_available() and dist.is_initialized()):
+        return _Ring(1, 0, 0, 0, group)
+    n = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    if r < 0:
+        raise RuntimeError("this process is not a member of the ring's process group")
+
+    def peer(i: int) -> int:
+        i %= n
+        return dist.get_global_rank(group, i) if group is not None else i
+
+    return _Ring(n, r, peer(r - 1), peer(r + 1), group)
+
+
+def _exchange(ring: _Ring, send: Tensor, recv: Tensor) -> tuple[int, int]:
+    """Post the send to r+1 and the receive from r-1 together, then wait for both.
+
+    Posting both before waiting is what keeps the ring from deadlocking: every rank is
+    simultaneously a sender and a receiver. Empty chunks (numel < N) are skipped on both
+    sides; both sides know the chunk sizes, so the skips agree.
+    """
+    works = []
+    sent = recv_bytes = 0
+    if send.numel():
+        works.append(dist.isend(send, ring.next, group=ring.group))
+        sent = send.numel() * send.element_size()
+    if recv.numel():
+        works.append(dist.irecv(recv, ring.prev, group=ring.group))
+        recv_bytes = recv.numel() * recv.element_size()
+    for w in works:
+        w.wait()
+    return sent, recv_bytes
+
+
+def _flat(t: Tensor) -> Tensor:
+    """A flat view when possible; a contiguous copy otherwise (the caller copies back)."""
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1).contiguous()
+
+
+# ---------------------------------------------------------------------- collectives
+def ring_all_reduce(tensor: Tensor, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """In-place SUM of `tensor` across the group by the SPEC §5 ring.
+
+    Chunks are views of the tensor itself, so the reduce-scatter accumulates in place and
+    the all-gather receives finished chunks straight into their final position; only
+    the incoming partial sums need a scratch buffer (one chunk long).
+    """
+    ring = _ring(group)
+    if ring.n == 1:
+        return 0, 0
+    flat = _flat(tensor)
+    sizes = chunk_sizes(flat.numel(), ring.n)
+    chunks = list(flat.split(sizes))
+    scratch = torch.empty(max(sizes), dtype=flat.dtype, device=flat.device)
+    sent = recv = 0
+    for step in ring_schedule(ring.n):
+        out_c, in_c = step.send_chunk(ring.rank), step.recv_chunk(ring.rank)
+        if step.phase == REDUCE_SCATTER:
+            buf = scratch[: sizes[in_c]]
+            s, rv = _exchange(ring, chunks[out_c], buf)
+            chunks[in_c].add_(buf)
+        else:
+            s, rv = _exchange(ring, chunks[out_c], chunks[in_c])
+        sent, recv = sent + s, recv + rv
+    if not tensor.is_contiguous():  # flat was a copy
+        tensor.copy_(flat.view_as(tensor))
+    return sent, recv
+
+
+def ring_reduce_scatter(output: Tensor, input: Tensor,
+                        group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """`output` = SUM over ranks of chunk r of `input` (torch's reduce_scatter semantics).
+
+    Runs only the reduce-scatter half of the ring, with chunks relabelled by -1
+    (`ring_schedule(n, shift=-1)`) so rank r finishes on chunk r. Partial sums travel in
+    two ping-pong buffers, so `input` is only read; and rank r never sends its own chunk
+    r, reading it just once at the very end, so `output` may alias that chunk of `input`
+    (ZeRO-1's in-place reduce-scatter into the rank's own shard).
+    """
+    ring = _ring(group)
+    m = output.numel()
+    if input.numel() != ring.n * m:
+        raise ValueError(f"ring_reduce_scatter: input has {input.numel()} elements, "
+                         f"expected {ring.n} x {m}")
+    if ring.n == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input.view_as(output))
+        return 0, 0
+    inp = _flat(input)
+
+    def chunk(c: int) -> Tensor:
+        return inp[c * m:(c + 1) * m]
+
+    bufs = [torch.empty(m, dtype=inp.dtype, device=inp.device) for _ in range(2)]
+    sent = recv = 0
+    steps = [s for s in ring_schedule(ring.n, shift=-1) if s.phase == REDUCE_SCATTER]
+    outgoing = chunk(steps[0].send_chunk(ring.rank))
+    for i, step in enumerate(steps):
+        incoming = bufs[i % 2]
+        s, rv = _exchange(ring, outgoing, incoming)
+        incoming.add_(chunk(step.recv_chunk(ring.rank)))
+        outgoing = incoming
+        sent, recv = sent + s, recv + rv
+    assert steps[-1].recv_chunk(ring.rank) == ring.rank
+    output.copy_(outgoing.view_as(output))
+    return sent, recv
+
+
+def ring_all_gather(output: Tensor, input: Tensor,
+                    group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """`output` = concatenation of every rank's `input`, in rank order.
+
+    The all-gather half of the ring with chunks relabelled by -1: rank r starts holding
+    chunk r (its own input) and passes finished chunks along N-1 times. `input` may be
+    `output`'s own chunk r (ZeRO's gather of the local shard), then no copy is made.
+    """
+    ring = _ring(group)
+    m = input.numel()
+    if output.numel() != ring.n * m:
+        raise ValueError(f"ring_all_gather: output has {output.numel()} elements, "
+                         f"expected {ring.n} x {m}")
+    out = _flat(output)
+    own = out[ring.rank * m:(ring.rank + 1) * m]
+    if not (input.is_contiguous() and input.data_ptr() == own.data_ptr()):
+        own.copy_(input.reshape(-1))
+    sent = recv = 0
+    if ring.n > 1:
+        for step in ring_schedule(ring.n, shift=-1):
+            if step.phase != ALL_GATHER:
+                continue
+            out_c, in_c = step.send_chunk(ring.rank), step.recv_chunk(ring.rank)
+            s, rv = _exchange(ring, out[out_c * m:(out_c + 1) * m], out[in_c * m:(in_c + 1) * m])
+            sent, recv = sent + s, recv + rv
+    if not output.is_contiguous():  # out was a copy
+        output.copy_(out.view_as(output))
+    return sent, recv

@@ -1,0 +1,105 @@
+"""Where tokens come from: the embedded corpus, user text, or a prepared .bin.
+
+Tokens are bytes (vocab 256): no tokenizer to download, every machine can train. The
+embedded default corpus is the running interpreter's own standard-library `.py`
+sources — real text that is present wherever Python is.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_SIZE = 256
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+_BLOCK = 1 << 16  # train/val are interleaved in 64 KiB blocks so both see every file type
+
+
+class DataError(ValueError):
+    """A user-caused data problem (missing, empty, unreadable path)."""
+
+
+def encode(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")
+
+
+def stdlib_sources() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        f for f in root.rglob("*.py")
+        if not _SKIP_DIRS.intersection(f.relative_to(root).parts)
+    ]
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def _read_texts(files: list[Path], label: str) -> np.ndarray:
+    parts = []
+    for f in files:
+        try:
+            parts.append(f.read_bytes())
+        except OSError as e:
+            raise DataError(f"cannot read '{f}' ({e.strerror}); check permissions or remove it "
+                            f"from {label}") from None
+    blob = b"\n\n".join(p for p in parts if p)
+    if not blob:
+        raise DataError(f"{label} holds no text; give a non-empty text file or folder")
+    return np.frombuffer(blob, dtype=np.uint8).astype(np.uint16)
+
+
+def load_tokens(path: str | Path | None) -> np.ndarray:
+    """The whole token stream as uint16 (a read-only memmap for .bin files)."""
+    if path is None:
+        return _read_texts(stdlib_sources(), "the embedded standard-library corpus")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data.path '{p}' does not exist; pass a text file, a folder of text "
+                        "files, or a .bin written by `zerotrain prepare`")
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
+                       and f.suffix not in (".bin", ".json"))
+        if not files:
+            raise DataError(f"data.path folder '{p}' contains no files")
+        return _read_texts(files, f"folder '{p}'")
+    if p.suffix == ".bin":
+        if p.stat().st_size < 4 or p.stat().st_size % 2:
+            raise DataError(f"'{p}' is not a uint16 token file (size {p.stat().st_size} bytes); "
+                            "re-create it with `zerotrain prepare`")
+        return np.memmap(p, dtype=np.uint16, mode="r")
+    return _read_texts([p], f"file '{p}'")
+
+
+def prepare(src: str | Path | None, out: str | Path) -> dict:
+    """Tokenise once into a uint16 memmap (`.bin`) plus a JSON sidecar describing it."""
+    out = Path(out)
+    if out.suffix != ".bin":
+        raise DataError(f"output '{out}' must end in .bin")
+    tokens = load_tokens(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".bin.tmp")
+    np.asarray(tokens, dtype=np.uint16).tofile(tmp)
+    tmp.replace(out)
+    meta = {"tokens": len(tokens), "vocab_size": VOCAB_SIZE, "dtype": "uint16",
+            "source": str(src) if src else "stdlib"}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def train_val_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic split: every k-th 64 KiB block is validation (k = round(1/fraction))."""
+    n_blocks = -(-len(tokens) // _BLOCK)
+    every = max(2, round(1 / val_fraction))
+    if n_blocks < every:  # small data: last fraction of the stream
+        cut = int(len(tokens) * (1 - val_fraction))
+        return np.asarray(tokens[:cut]), np.asarray(tokens[cut:])
+    train, val = [], []
+    for b in range(n_blocks):
+        chunk = tokens[b * _BLOCK:(b + 1) * _BLOCK]
+        (val if b % every == every - 1 else train).append(np.asarray(chunk))
+    return np.concatenate(train), np.concatenate(val)

@@ -1,0 +1,718 @@
+"""`zerotrain float` / `zerotrain formats`: number formats worked out the way one does by hand.
+
+The derivation (division, repeated doubling, normalising, G/R/S rounding) is computed here
+independently of `FloatFormat.encode` and then checked against it, so the printed steps can
+never drift from the real rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import NoReturn
+
+from zerotrain.numerics.formats import (
+    ALL_FORMATS,
+    FP32,
+    FloatFormat,
+    get_format,
+    parse_bits,
+    parse_number,
+)
+
+__all__ = [
+    "explain_all",
+    "explain_bits",
+    "explain_encode",
+    "format_rows",
+    "formats_table",
+    "main_float",
+    "main_formats",
+]
+
+TWO = "₂"
+
+
+# ---- small text helpers --------------------------------------------------------------------
+def _is_decimal(fr: Fraction) -> bool:
+    """Does fr have a finite decimal expansion (denominator = 2^a·5^b)?"""
+    d = fr.denominator
+    d >>= (d & -d).bit_length() - 1  # drop the factors of 2
+    return d == 1 or math.gcd(d, 5 ** d.bit_length()) == d
+
+
+def exact_decimal(fr: Fraction) -> str:
+    """Exact decimal string of a terminating fraction (every dyadic float is one)."""
+    sign, fr = ("-" if fr < 0 else ""), abs(fr)
+    k = 0
+    while (fr * 10**k).denominator != 1:
+        k += 1
+    digits = str((fr * 10**k).numerator).rjust(k + 1, "0")
+    if k == 0:
+        return sign + digits
+    return f"{sign}{digits[:-k]}.{digits[-k:]}"
+
+
+def show(fr: Fraction, limit: int = 40) -> str:
+    """Exact when short (decimal, scientific or p/q), otherwise ≈ 17 significant digits."""
+    if max(fr.numerator.bit_length(), fr.denominator.bit_length()) > 2000:
+        return _approx(fr)  # e.g. 1e100000: no exact digits, no float conversion
+    if _is_decimal(fr):
+        s = exact_decimal(fr)
+        sci = _scientific(fr, s)
+        if len(s) <= limit and (len(s) <= 24 or sci is None or len(sci) >= len(s) - 8):
+            return s
+        if sci is not None:
+            return sci
+    elif len(str(fr)) <= limit:
+        return str(fr)
+    return f"≈{float(fr):.17g}" if 1e-300 < abs(_f(fr)) < 1e300 else _approx(fr)
+
+
+def _approx(fr: Fraction, digits: int = 6) -> str:
+    """≈ d.ddddde±N for numbers of any size (floats overflow beyond 1.8e308)."""
+    if fr == 0:
+        return "0"
+    mag = abs(fr)
+    exp10 = math.floor(math.log10(mag.numerator) - math.log10(mag.denominator))
+    n, d = mag.numerator, mag.denominator
+    mant = n / (d * 10**exp10) if exp10 >= 0 else n * 10**-exp10 / d
+    return f"≈{'-' if fr < 0 else ''}{mant:.{digits}g}e{exp10}"
+
+
+def _short(fr: Fraction) -> str:
+    """3 significant digits, even where a float would overflow or underflow."""
+    x = _f(fr)
+    if fr != 0 and (x == 0 or math.isinf(x)):
+        return _approx(fr, 3).lstrip("≈")
+    return f"{x:.3g}"
+
+
+def _f(fr: Fraction) -> float:
+    """float(fr), but ±inf instead of OverflowError for astronomically large values."""
+    try:
+        return float(fr)
+    except OverflowError:
+        return math.inf if fr > 0 else -math.inf
+
+
+def _scientific(fr: Fraction, s: str) -> str | None:
+    """Exact scientific notation ('1e-40') when there are few significant digits."""
+    digits = s.lstrip("-").replace(".", "").lstrip("0").rstrip("0")
+    if not digits or len(digits) > 30:
+        return None
+    mag = abs(fr)
+    exp10 = math.floor(math.log10(mag.numerator) - math.log10(mag.denominator))
+    while Fraction(10) ** exp10 > mag:  # guard float rounding of the logs
+        exp10 -= 1
+    while Fraction(10) ** (exp10 + 1) <= mag:
+        exp10 += 1
+    mant = f"{digits[0]}.{digits[1:]}" if len(digits) > 1 else digits
+    return f"{'-' if fr < 0 else ''}{mant}e{exp10}"
+
+
+def _bits(s: str, limit: int = 72) -> str:
+    return s if len(s) <= limit else f"{s[:40]}…{s[-16:]}"
+
+
+def _layout(fmt: FloatFormat) -> str:
+    return (
+        f"1 sign bit, {fmt.exponent_bits} exponent bits, {fmt.mantissa_bits} mantissa bits, "
+        f"bias {fmt.bias}"
+    )
+
+
+def _floor_log2(x: Fraction) -> int:
+    """floor(log2 x) for x > 0, exactly (integer shifts, no float)."""
+    n, d = x.numerator, x.denominator
+    e = n.bit_length() - d.bit_length()
+    return e - 1 if (n << max(0, -e)) < (d << max(0, e)) else e
+
+
+def _overflow_text(fmt: FloatFormat) -> str:
+    if fmt.overflow == "inf":
+        return "overflow → ±inf"
+    if fmt.overflow == "saturate":
+        return f"overflow → saturates to ±{show(fmt.max_finite_exact)} (torch's cast)"
+    return "overflow → NaN"
+
+
+def _stored_text(fmt: FloatFormat, bits: int) -> str:
+    kind = fmt.classify(bits)
+    s, e, m = fmt.fields(bits)
+    sign = "-" if s else "+"
+    if kind in ("inf", "nan", "zero"):
+        return {"inf": f"{sign}inf", "nan": "NaN", "zero": f"{sign}0"}[kind]
+    mbits = f"{m:0{fmt.mantissa_bits}b}".rstrip("0")
+    if kind == "subnormal":
+        return f"{sign}0.{mbits}{TWO} × 2^{fmt.emin}"
+    return f"{sign}1.{mbits or '0'}{TWO} × 2^{e - fmt.bias}"
+
+
+# ---- encoding, step by step ----------------------------------------------------------------
+def explain_encode(text: str, fmt: FloatFormat | str = FP32) -> str:
+    """The hand derivation of `text` → `fmt` bits; raises ValueError on unreadable input."""
+    fmt = get_format(fmt)
+    value = parse_number(text)
+    out = [f"{text.strip()} → {fmt.name} ({_layout(fmt)})", ""]
+    if isinstance(value, float):  # ±inf, NaN, -0.0
+        return "\n".join(out + _explain_special(value, fmt))
+    if value == 0:
+        bits = 0
+        out.append("0 has no leading 1 to normalise: it is the all-zeros pattern.")
+        return "\n".join(out + _result(fmt, bits, value))
+    neg, mag = value < 0, abs(value)
+    m, emin = fmt.mantissa_bits, fmt.emin
+    if not _is_decimal(mag):
+        out += [f"(read exactly as the fraction {mag}, not as a rounded decimal)", ""]
+    out += ["1. Sign", f"   {show(value)} is {'negative → S = 1' if neg else 'positive → S = 0'}"]
+    if neg:
+        out.append(f"   continue with |x| = {show(mag)}")
+
+    ex = _floor_log2(mag)
+    if ex > fmt.emax + 64 or ex < fmt.emin - m - 64:  # no point writing out thousands of bits
+        where = "above the largest" if ex > 0 else "below the smallest"
+        out += [
+            "",
+            f"2. |x| lies between 2^{ex} and 2^{ex + 1}: far {where} {fmt.name} number",
+            "   (" + (_overflow_text(fmt) if ex > 0 else "rounds to zero: underflow") + ")",
+        ]
+        return "\n".join(out + _result(fmt, fmt.encode(value), value))
+
+    whole, frac = mag.numerator // mag.denominator, mag - mag.numerator // mag.denominator
+    ibits = bin(whole)[2:] if whole else ""
+    if whole:
+        out += [
+            "",
+            f"2. Integer part {show(Fraction(whole))} in binary (÷ 2, remainders read bottom-up)",
+        ]
+        out += [
+            *_divisions(whole),
+            f"   → {show(Fraction(whole))} = {_bits(ibits)}{TWO}",
+        ]
+    else:
+        out += ["", "2. Integer part: 0"]
+
+    eff = max(ex, emin)
+    q = eff - m  # weight 2^q of the last mantissa bit
+    need = max(0, 2 - q, 0 if whole else -ex)  # down to the round bit 2^(q-2) and the first 1
+    if frac:
+        out += ["", f"3. Fraction part {show(frac)} in binary (double, take the integer part)"]
+    else:
+        out += ["", "3. Fraction part: 0 (nothing after the binary point)"]
+    fbits, frac, lines = _doublings(frac, need, first_one=-ex if not whole else 0)
+    out += lines
+    if frac == 0:
+        if fbits:
+            out.append("   the fraction reached 0: the binary expansion ends (exact)")
+    elif need == 0:
+        out.append(
+            f"   no doubling needed: the integer part already supplies the {m} mantissa bits"
+            " plus guard and round; a non-zero fraction only sets the sticky bit"
+        )
+    else:
+        out.append(
+            f"   stop: we have every bit down to the round bit 2^{q - 2}; the rest (≠ 0) only"
+            " sets the sticky bit — the expansion goes on"
+        )
+    tail = "…" if frac else ""
+    out += [
+        "",
+        "4. Binary form",
+        f"   {show(mag)} = {_bits(ibits or '0')}.{_bits(fbits)}{tail}{TWO}",
+    ]
+    out[-1] = out[-1].replace(f".{TWO}", TWO)
+
+    def bit(p: int) -> int:
+        if p >= 0:
+            return int(ibits[len(ibits) - 1 - p]) if p < len(ibits) else 0
+        return int(fbits[-p - 1]) if -p - 1 < len(fbits) else 0
+
+    digits = (ibits + fbits).lstrip("0")
+    places = f"{abs(ex)} place{'s' if abs(ex) != 1 else ''}"
+    move = f"{places} left" if ex > 0 else f"{places} right" if ex < 0 else "not moved"
+    out += [
+        "",
+        "5. Normalise to 1.M × 2^E",
+        f"   {_bits(ibits or '0')}.{_bits(fbits)}{tail}{TWO} = 1.{_bits(digits[1:])}{tail}{TWO}"
+        f" × 2^{ex}   (binary point moved {move})".replace(f".{TWO}", TWO),
+    ]
+    if ex > fmt.emax:
+        out += [
+            f"   E = {ex} > {fmt.emax}, the largest exponent of {fmt.name}: {_overflow_text(fmt)}"
+        ]
+        bits = fmt.encode(value)
+        return "\n".join(out + _result(fmt, bits, value))
+    kept = "".join(str(bit(p)) for p in range(eff - 1, q - 1, -1))
+    g, r = bit(q - 1), bit(q - 2)
+    s = int(frac != 0 or any(bit(p) for p in range(q - 3, -len(fbits) - 1, -1)))
+    out += ["", "6. Exponent"]
+    if ex < emin:
+        out += [
+            f"   E = {ex} < {emin} = 1 − {fmt.bias}, the smallest normal exponent: subnormal.",
+            f"   Subnormals store 0.M × 2^{emin} with exponent field 0:",
+            f"   x = 0.{kept}{'…' if g or r or s else ''}{TWO} × 2^{emin}",
+        ]
+    else:
+        out.append(
+            f"   biased exponent = {ex} + {fmt.bias} = {ex + fmt.bias} = "
+            f"{ex + fmt.bias:0{fmt.exponent_bits}b}{TWO}"
+        )
+    out += ["", f"7. Mantissa ({m} bits{'' if ex < emin else ', the leading 1 is implicit'})"]
+    if not (g or r or s):
+        shown = min(m, len(digits) - 1) if ex >= emin else m
+        if shown < m:
+            pad = f"{kept[:shown] or '(none)'} + {m - shown} zeros of padding → {kept}"
+            out.append(f"   bits after the point: {pad}")
+        else:
+            out.append(f"   bits after the point: {kept}")
+        out.append("   every bit below the last place is 0: exact, no rounding")
+        sig, up = int(kept, 2), False
+    else:
+        out.append(f"   first {m} bits: {kept} | guard G = {g}, round R = {r}, sticky S = {s}")
+        sig = int(kept, 2)
+        if not g:
+            up, why = False, "G = 0: less than half a last-place unit → round down (truncate)"
+        elif r or s:
+            up, why = True, "G = 1 and R|S = 1: more than half a unit → round up (+1 ulp)"
+        else:
+            up = sig % 2 == 1
+            why = "G = 1, R = S = 0: exactly halfway → ties-to-even: last bit is " + (
+                "1 (odd) → round up" if up else "0 (even) → keep"
+            )
+        out.append(f"   {why}  [1 ulp = 2^{q}]")
+        sig += int(up)
+    efield = 0 if ex < emin else ex + fmt.bias
+    if sig >> m:  # carry out of the mantissa field
+        sig, efield = sig - (1 << m), efield + 1
+        out.append(
+            "   the carry ripples out of the mantissa: "
+            + (
+                f"the result becomes the smallest normal 2^{emin}"
+                if ex < emin
+                else f"mantissa 0, exponent +1 → {efield} = {efield:0{fmt.exponent_bits}b}{TWO}"
+            )
+        )
+    if up and not (sig == 0 and efield):
+        out.append(f"   mantissa after rounding: {sig:0{m}b}")
+    mag_bits = (efield << m) | sig
+    if fmt.encoding == "fn" and efield == fmt.exponent_mask and sig == fmt.mantissa_mask:
+        out.append(
+            f"   but S.{efield:b}.{sig:b} is {fmt.name}'s NaN code, so this is past the largest"
+            " finite number"
+        )
+    if mag_bits > fmt.max_finite_bits:
+        out.append(f"   the rounded value exceeds max finite {show(fmt.max_finite_exact)}: "
+                   + _overflow_text(fmt))  # fmt: skip
+        bits = fmt.encode(value)
+    else:
+        if mag_bits == 0:
+            out.append("   all bits are 0: the value underflows to zero")
+        bits = mag_bits | (fmt.sign_bit if neg else 0)
+    if bits != fmt.encode(value):  # the derivation must agree with the real encoder
+        raise AssertionError(f"derivation gave {bits:#x}, encode gives {fmt.encode(value):#x}")
+    return "\n".join(out + _result(fmt, bits, value))
+
+
+def _divisions(n: int) -> list[str]:
+    lines = []
+    while n:
+        lines.append(f"   {show(Fraction(n))} ÷ 2 = {show(Fraction(n // 2))} remainder {n % 2}")
+        n //= 2
+    if len(lines) > 16:
+        lines = [*lines[:6], f"   ⋮  ({len(lines) - 10} more divisions)", *lines[-4:]]
+    return lines
+
+
+def _doublings(frac: Fraction, need: int, first_one: int) -> tuple[str, Fraction, list[str]]:
+    """Repeated doubling, one line per step; long runs of leading zeros are elided."""
+    bits, lines, seen = [], [], {frac: 0}
+    skip_to = min(first_one, need) - 2 if min(first_one, need) > 12 else 0
+    repeat_noted = False
+    for k in range(1, need + 1):
+        if frac == 0:
+            break
+        doubled = frac * 2
+        b = int(doubled >= 1)
+        bits.append(str(b))
+        new = doubled - b
+        if k <= 3 or k > skip_to:
+            lines.append(f"   {show(frac)} × 2 = {show(doubled)} → {b}")
+        elif k == 4:
+            lines.append(f"   ⋮  (steps 4–{skip_to} also give 0: the value is below 2^-{skip_to})")
+        frac = new
+        if frac and frac in seen and not repeat_noted:
+            j = seen[frac]
+            when = f"after step {j}" if j else "at the start"
+            lines.append(
+                f"   (fraction {show(frac)} again, as {when}: the bits "
+                f"{''.join(bits[j:])} repeat forever)"
+            )
+            repeat_noted = True
+        seen.setdefault(frac, k)
+    return "".join(bits), frac, lines
+
+
+def _explain_special(value: float, fmt: FloatFormat) -> list[str]:
+    bits = fmt.encode(value)
+    if math.isnan(value):
+        lines = [
+            "NaN is stored as exponent all ones with a non-zero mantissa"
+            + (" (fn format: only S.1…1.1…1 is NaN)" if fmt.encoding == "fn" else "")
+        ]
+    elif math.isinf(value):
+        lines = (
+            ["infinity is stored as exponent all ones, mantissa 0"]
+            if fmt.has_inf
+            else [f"{fmt.name} has no infinity: " + _overflow_text(fmt)]
+        )
+    else:
+        lines = ["-0 is zero with the sign bit set"]
+    return lines + _result(fmt, bits, None)
+
+
+def _result(fmt: FloatFormat, bits: int, value: Fraction | None) -> list[str]:
+    out = [
+        "",
+        "Result: sign | exponent | mantissa",
+        f"   {fmt.format_bits(bits)}   ({fmt.hex_bits(bits)})",
+        f"   stored value = {_stored_text(fmt, bits)}",
+    ]
+    if fmt.classify(bits) in ("normal", "subnormal"):
+        out[-1] += f" = {_decoded(fmt, bits)}"
+    stored = fmt.decode_exact(bits)
+    if value is None or isinstance(stored, str):
+        return out
+    err = stored - value
+    if err == 0:
+        return [*out, f"   exact: {show(value)} is representable in {fmt.name}, error 0"]
+    rel = abs(err / value)
+    approx = _short(err)
+    out.append(
+        f"   rounding error = stored − x = {show(err)}"
+        + (f"  ({approx})" if approx != show(err) else "")
+    )
+    bound = fmt.epsilon_exact / 2
+    if fmt.round_exact(value).overflow:
+        note = "overflow: saturated to the largest finite value"
+    elif fmt.classify(bits) == "normal" and abs(value) >= fmt.min_normal_exact:
+        note = (
+            f"≤ ε/2 = 2^-{fmt.mantissa_bits + 1} ≈ {float(bound):.3g}, the round-to-nearest bound"
+        )
+    elif stored == 0:
+        note = "underflow: the whole value is lost"
+    elif abs(value) < fmt.min_normal_exact:
+        note = (
+            "subnormal: fewer significant bits, so only |error| ≤ "
+            f"2^{fmt.emin - fmt.mantissa_bits - 1} is guaranteed"
+        )
+    else:
+        note = "overflow"
+    return [*out, f"   relative error = {_short(rel)}  ({note})"]
+
+
+def _decoded(fmt: FloatFormat, bits: int) -> str:
+    exact = fmt.decode_exact(bits)
+    if isinstance(exact, str):
+        return exact
+    text = show(exact, limit=60)
+    if not text.startswith("≈"):
+        return text
+    return f"{exact.numerator}/2^{exact.denominator.bit_length() - 1} ≈ {float(exact)!r}"
+
+
+# ---- one number in every format ------------------------------------------------------------
+def explain_all(text: str) -> str:
+    """One row per format: what the same number becomes in each."""
+    value = parse_number(text)
+    head = f"x = {text.strip()}" + (
+        f"  (read exactly as {value})"
+        if isinstance(value, Fraction) and not _is_decimal(value)
+        else ""
+    )
+    rows = [("format", "pattern", "stored value", "error", "rel error", "note")]
+    for fmt in ALL_FORMATS:
+        bits = fmt.encode(value)
+        stored = fmt.decode_exact(bits)
+        kind = fmt.classify(bits)
+        if isinstance(value, float) or isinstance(stored, str):
+            abs_e = rel_e = "-"
+            note = _special_note(fmt, value, kind)
+        else:
+            err = stored - value
+            abs_e = _short(err)
+            rel_e = _short(abs(err / value)) if value else "0"
+            note = _note(fmt, value, stored, kind, err)
+        shown = repr(fmt.decode(bits))
+        rows.append((fmt.name, fmt.format_bits(bits), shown, abs_e, rel_e, note))
+    return head + "\n\n" + _table(rows)
+
+
+def _note(fmt: FloatFormat, value: Fraction, stored: Fraction, kind: str, err: Fraction) -> str:
+    if value != 0 and fmt.round_exact(value).overflow:
+        return f"overflow → saturated to ±{show(fmt.max_finite_exact)}"
+    if err == 0:
+        return "exact, subnormal" if kind == "subnormal" else "exact"
+    if kind == "zero":
+        return "rounds to zero (underflow)"
+    return "subnormal" if kind == "subnormal" else ""
+
+
+def _special_note(fmt: FloatFormat, value: Fraction | float, kind: str) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if kind == "inf" else _overflow_text(fmt)
+    if isinstance(value, float):
+        return "-0"
+    return _overflow_text(fmt)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ---- decoding, step by step ----------------------------------------------------------------
+def explain_bits(text: str, fmt: FloatFormat | str | None = None) -> str:
+    """Decode a pattern field by field; the format comes from the grouping or `fmt`."""
+    given = fmt is not None
+    fmt, bits = parse_bits(text, fmt)
+    s, e, m = fmt.fields(bits)
+    how = "given by --format" if given else "inferred from the pattern"
+    out = [
+        f"{fmt.format_bits(bits)} ({fmt.hex_bits(bits)}) read as {fmt.name} ({how})",
+        f"   {_layout(fmt)}",
+        "",
+        f"sign      S = {s} → {'negative' if s else 'positive'}",
+    ]
+    ebits, mbits, kind = (
+        f"{e:0{fmt.exponent_bits}b}",
+        f"{m:0{fmt.mantissa_bits}b}",
+        fmt.classify(bits),
+    )
+    if kind == "nan":
+        if fmt.encoding == "fn":
+            why = f"S.{ebits}.{mbits} is {fmt.name}'s only NaN code (this format has no inf)"
+        else:
+            why = "exponent all ones, mantissa ≠ 0"
+        return "\n".join(
+            [*out, f"exponent  {ebits}{TWO} = {e}", f"mantissa  {mbits}", f"value     NaN: {why}"]
+        )
+    if kind == "inf":
+        return "\n".join(
+            [*out, f"exponent  {ebits}{TWO} = {e}: all ones", f"mantissa  {mbits} = 0",
+             f"value     {'-' if s else '+'}infinity"]
+        )  # fmt: skip
+    if kind == "zero":
+        return "\n".join(
+            [*out, f"exponent  {ebits}, mantissa {mbits}: all zero → {'-' if s else '+'}0"]
+        )
+    if kind == "subnormal":
+        out.append(
+            f"exponent  {ebits}{TWO} = 0 → subnormal: no implicit 1, value = 0.M × 2^(1−{fmt.bias})"
+            f" = 0.M × 2^{fmt.emin}"
+        )
+        lead, E = 0, fmt.emin
+    else:
+        E = e - fmt.bias
+        top = (
+            " (fn: the all-ones exponent is an ordinary one here)" if e == fmt.exponent_mask else ""
+        )
+        out.append(f"exponent  {ebits}{TWO} = {e} → E = {e} − {fmt.bias} = {E}{top}")
+        lead = 1
+    terms = [f"2^-{i + 1}" for i, c in enumerate(mbits) if c == "1"]
+    decimals = [exact_decimal(Fraction(1, 2 ** (i + 1))) for i, c in enumerate(mbits) if c == "1"]
+    sig = lead + Fraction(m, 1 << fmt.mantissa_bits)
+    parts = ([str(lead)] if lead else []) + terms
+    out.append(f"mantissa  {mbits} → {lead}.M = {' + '.join(parts) or '0'}")
+    pad = " " * (len(f"mantissa  {mbits} → {lead}.M"))
+    if len(terms) <= 8 and len(parts) > 1:
+        out.append(f"{pad} = {' + '.join(([str(lead)] if lead else []) + decimals)}")
+    if len(parts) > 1:
+        out.append(f"{pad} = {show(sig, limit=60)}")
+    value = fmt.decode_exact(bits)
+    assert isinstance(value, Fraction)
+    out.append(
+        f"value     {'-' if s else '+'}{show(sig, limit=60)} × 2^{E} = {_decoded(fmt, bits)}"
+    )
+    return "\n".join(out)
+
+
+# ---- the formats table ---------------------------------------------------------------------
+def _pow2(x: Fraction) -> str:
+    return f"{float(x):.6g} (2^{_floor_log2(x)})"
+
+
+def _notes(fmt: FloatFormat) -> list[str]:
+    notes = []
+    if fmt.encoding == "fn":
+        nan = "S." + "1" * fmt.exponent_bits + "." + "1" * fmt.mantissa_bits
+        notes.append(f"no inf; NaN = {nan}")
+    if fmt.overflow != "inf":
+        notes.append(_overflow_text(fmt).replace("overflow → ", "overflow "))
+    if fmt is not FP32 and (fmt.exponent_bits, fmt.bias) == (FP32.exponent_bits, FP32.bias):
+        notes.append("same range as fp32")
+    if fmt.torch_dtype_name is None:
+        notes.append("no torch dtype")
+    return notes
+
+
+def format_rows() -> list[dict[str, object]]:
+    """Every format's derived properties (floats plus exact strings), for the table and JSON."""
+    rows: list[dict[str, object]] = []
+    for f in ALL_FORMATS:
+        rows.append(
+            {
+                "name": f.name,
+                "aliases": list(f.aliases),
+                "bits": f.total_bits,
+                "sign_bits": 1,
+                "exponent_bits": f.exponent_bits,
+                "mantissa_bits": f.mantissa_bits,
+                "bias": f.bias,
+                "max_finite": f.max_finite,
+                "min_normal": f.min_normal,
+                "min_subnormal": f.min_subnormal,
+                "epsilon": f.epsilon,
+                "decimal_digits": round(f.decimal_digits, 3),
+                "max_finite_exact": exact_decimal(f.max_finite_exact),
+                "min_normal_exact": f"2^{f.emin}",
+                "min_subnormal_exact": f"2^{f.emin - f.mantissa_bits}",
+                "epsilon_exact": f"2^-{f.mantissa_bits}",
+                "has_inf": f.has_inf,
+                "overflow": f.overflow,
+                "torch_dtype": f.torch_dtype_name,
+                "notes": "; ".join([f.description, *_notes(f)]),
+            }
+        )
+    return rows
+
+
+def formats_table() -> str:
+    """The comparison table of `zerotrain formats`, every number computed from the layout."""
+    head = ("name", "bits (s/e/m)", "bias", "max finite", "min normal", "min subnormal",
+            "epsilon", "~digits", "notes")  # fmt: skip
+    rows = [head]
+    for f in ALL_FORMATS:
+        rows.append(
+            (
+                f.name,
+                f"{f.total_bits} (1/{f.exponent_bits}/{f.mantissa_bits})",
+                str(f.bias),
+                f"{f.max_finite:.6g}",
+                _pow2(f.min_normal_exact),
+                _pow2(f.min_subnormal_exact),
+                _pow2(f.epsilon_exact),
+                f"{f.decimal_digits:.2f}",
+                "; ".join(_notes(f)) or "-",
+            )
+        )
+    foot = (
+        "\nmax finite = (2 − 2^-m)·2^emax (fn formats: (2 − 2^(1−m))·2^emax);"
+        " min normal = 2^(1−bias);\nmin subnormal = 2^(1−bias−m); epsilon = 2^-m;"
+        " ~digits = (m+1)·log10 2."
+    )
+    return _table(rows) + "\n" + foot
+
+
+# ---- CLI entry points ----------------------------------------------------------------------
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _run(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    argv: list[str],
+    body: Callable[[argparse.Namespace], str],
+) -> int:
+    try:
+        args = parser.parse_args(argv)
+        text = body(args)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except (_UsageError, ValueError) as e:
+        print(f"{prog}: error: {e}  (see {prog} --help)", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def _negatives_last(argv: list[str]) -> list[str]:
+    """argparse mistakes '-1e-8' or '-inf' for options: move such numbers after '--'."""
+    kept, numbers, it = [], [], iter(argv)
+    for tok in it:
+        if tok in ("-f", "--format", "-b", "--bits"):
+            kept += [tok, next(it, "")]
+        elif tok == "--":
+            numbers += list(it)
+        elif tok.startswith("-") and not tok.startswith("--"):
+            try:
+                parse_number(tok)
+                numbers.append(tok)
+            except ValueError:
+                kept.append(tok)
+        else:
+            kept.append(tok)
+    return [*kept, "--", *numbers] if numbers else kept
+
+
+def main_float(argv: list[str]) -> int:
+    """`zerotrain float VALUE [--format F|all]` and `zerotrain float --bits PATTERN`."""
+    p = _Parser(
+        prog="zerotrain float",
+        description="Show how a number is stored in a float format, or decode a bit pattern.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  zerotrain float 9.625 --format fp32\n"
+        "  zerotrain float 0.1 --format all\n"
+        "  zerotrain float -1e-8 -f fp16\n"
+        "  zerotrain float --bits '0 10000010 00110100000000000000000'\n"
+        "  zerotrain float --bits 0x3c00 --format fp16",
+    )
+    p.add_argument(
+        "value", nargs="?", help="number to encode: 9.625, -2.5, 0.1, 1e-8, 1/3, inf, nan"
+    )
+    p.add_argument(
+        "-f", "--format", help="fp32 (default), tf32, fp16, bf16, fp8-e4m3, fp8-e5m2, all"
+    )
+    p.add_argument(
+        "-b", "--bits", nargs="+", help="decode a pattern: '0 10000010 0011…' or 0x411A0000"
+    )
+
+    def body(a: argparse.Namespace) -> str:
+        if (a.value is None) == (a.bits is None):
+            raise _UsageError("give either a VALUE to encode or --bits PATTERN to decode")
+        if a.bits is not None:
+            if a.format and a.format.lower() == "all":
+                raise _UsageError("--format all works for VALUE only; --bits needs one format")
+            return explain_bits(" ".join(a.bits), a.format)
+        if a.format and a.format.lower() == "all":
+            return explain_all(a.value)
+        return explain_encode(a.value, a.format or FP32)
+
+    return _run("zerotrain float", p, _negatives_last(list(argv)), body)
+
+
+def main_formats(argv: list[str]) -> int:
+    """`zerotrain formats [--json]`: every format's range and precision, from its layout."""
+    p = _Parser(prog="zerotrain formats", description="Compare the float formats.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return _run(
+        "zerotrain formats",
+        p,
+        list(argv),
+        lambda a: json.dumps(format_rows(), indent=2) if a.json else formats_table(),
+    )

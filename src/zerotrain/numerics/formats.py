@@ -1,0 +1,572 @@
+"""Binary floating-point layouts (SPEC §3), derived from (exponent bits, mantissa bits) alone.
+
+A `FloatFormat` knows nothing but its layout and its special-value rules; every property
+(max finite, min normal, epsilon, ...) is computed from them with exact arithmetic, so the
+table printed by `zerotrain formats` and the tests against `torch.finfo` check the theory,
+not a list of copied constants. Encoding rounds to nearest, ties to even, exactly like
+torch's casts, and the tensor versions use only integer ops on float64 bit patterns.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # torch is imported lazily: `zerotrain float` should start fast
+    import torch
+
+__all__ = [
+    "ALL_FORMATS",
+    "BF16",
+    "FORMATS",
+    "FP8_E4M3",
+    "FP8_E5M2",
+    "FP16",
+    "FP32",
+    "TF32",
+    "FloatFormat",
+    "Rounding",
+    "get_format",
+    "parse_bits",
+    "parse_number",
+]
+
+Number = float | int | Fraction | str
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How one exact value lands in a format: the pieces a person rounding by hand would see.
+
+    `significand` counts quanta of 2^`quantum_exp` (the weight of the last mantissa bit):
+    `truncated` before rounding, `significand` after. guard/round/sticky are the classic
+    G/R/S bits just below that last place.
+    """
+
+    negative: bool
+    exponent: int  # floor(log2 |x|)
+    subnormal: bool
+    quantum_exp: int
+    truncated: int
+    guard: int
+    round_bit: int
+    sticky: int
+    rounded_up: bool
+    tie: bool
+    significand: int
+    overflow: bool
+    bits: int
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A sign/exponent/mantissa layout plus its rules for inf, NaN and overflow.
+
+    encoding "ieee": exponent all ones = inf (mantissa 0) or NaN. encoding "fn" (OCP FP8
+    E4M3): finite-only, exponent all ones is an ordinary exponent and only S.1…1.1…1 is NaN.
+    overflow is what a cast does with a value too large for the format: "inf", "saturate"
+    (clamp to ±max finite; inputs ±inf too when the format has no inf, as torch's E4M3 cast
+    does) or "nan". nan_mantissa picks the canonical NaN that encode produces; like torch's
+    casts it keeps the input's sign (torch's bf16 NaN varies with the code path: 0x7FC0 or
+    0xFFFF, so only "is a NaN" is comparable there).
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int | None = None
+    encoding: Literal["ieee", "fn"] = "ieee"
+    overflow: Literal["inf", "saturate", "nan"] = "inf"
+    nan_mantissa: int | None = None  # canonical NaN mantissa; None = quiet bit only (IEEE)
+    torch_dtype_name: str | None = None
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.exponent_bits < 2 or self.mantissa_bits < 1:
+            raise ValueError(f"{self.name}: need ≥2 exponent bits and ≥1 mantissa bit")
+        if self.bias is None:
+            object.__setattr__(self, "bias", 2 ** (self.exponent_bits - 1) - 1)
+        if self.encoding == "fn" and self.overflow == "inf":
+            raise ValueError(f"{self.name}: a format without inf cannot overflow to inf")
+        if self.nan_mantissa is None:
+            quiet = self.mantissa_mask if self.encoding == "fn" else 1 << (self.mantissa_bits - 1)
+            object.__setattr__(self, "nan_mantissa", quiet)
+
+    # ---- layout --------------------------------------------------------------------------
+    @property
+    def _bias(self) -> int:
+        assert self.bias is not None  # set by __post_init__
+        return self.bias
+
+    @property
+    def _nan_mantissa(self) -> int:
+        assert self.nan_mantissa is not None
+        return self.nan_mantissa
+
+    @property
+    def total_bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def exponent_mask(self) -> int:
+        return (1 << self.exponent_bits) - 1
+
+    @property
+    def mantissa_mask(self) -> int:
+        return (1 << self.mantissa_bits) - 1
+
+    @property
+    def has_inf(self) -> bool:
+        return self.encoding == "ieee"
+
+    @property
+    def emin(self) -> int:
+        """Smallest normal exponent; subnormals share it (0.M × 2^emin)."""
+        return 1 - self._bias
+
+    @property
+    def emax(self) -> int:
+        """Largest exponent of a finite number (fn formats use the all-ones exponent too)."""
+        top = self.exponent_mask if self.encoding == "fn" else self.exponent_mask - 1
+        return top - self._bias
+
+    # ---- derived values (exact) ----------------------------------------------------------
+    @property
+    def max_finite_bits(self) -> int:
+        """Magnitude bits of the largest finite number (fn: mantissa 1…10, as 1…11 is NaN)."""
+        if self.encoding == "fn":
+            return (self.exponent_mask << self.mantissa_bits) | (self.mantissa_mask - 1)
+        return ((self.exponent_mask - 1) << self.mantissa_bits) | self.mantissa_mask
+
+    @property
+    def max_finite_exact(self) -> Fraction:
+        return self._magnitude_exact(self.max_finite_bits)
+
+    @property
+    def min_normal_exact(self) -> Fraction:
+        return Fraction(2) ** self.emin
+
+    @property
+    def min_subnormal_exact(self) -> Fraction:
+        return Fraction(2) ** (self.emin - self.mantissa_bits)
+
+    @property
+    def epsilon_exact(self) -> Fraction:
+        """Gap between 1 and the next number: 2^-m (torch.finfo.eps)."""
+        return Fraction(1, 1 << self.mantissa_bits)
+
+    @property
+    def max_finite(self) -> float:
+        return float(self.max_finite_exact)
+
+    @property
+    def min_normal(self) -> float:
+        return float(self.min_normal_exact)
+
+    @property
+    def min_subnormal(self) -> float:
+        return float(self.min_subnormal_exact)
+
+    @property
+    def epsilon(self) -> float:
+        return float(self.epsilon_exact)
+
+    @property
+    def decimal_digits(self) -> float:
+        """Information in the significand, (m+1)·log10 2 (fp32 ≈ 7.22, fp16 ≈ 3.31).
+
+        We count the implicit leading bit because it carries precision too; numpy's
+        finfo.precision = floor(m·log10 2) is the stricter "digits that always survive a
+        decimal → binary → decimal round trip" (fp32: 6).
+        """
+        return (self.mantissa_bits + 1) * math.log10(2)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The matching torch dtype, or None (TF32 only exists inside tensor cores)."""
+        if self.torch_dtype_name is None:
+            return None
+        import torch
+
+        return getattr(torch, self.torch_dtype_name, None)
+
+    # ---- special patterns ----------------------------------------------------------------
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.total_bits - 1)
+
+    def nan_bits(self, negative: bool = False) -> int:
+        """Canonical NaN: the pattern torch's casts produce (sign kept)."""
+        mag = (self.exponent_mask << self.mantissa_bits) | self._nan_mantissa
+        return mag | (self.sign_bit if negative else 0)
+
+    def inf_bits(self, negative: bool = False) -> int | None:
+        if not self.has_inf:
+            return None
+        return (self.exponent_mask << self.mantissa_bits) | (self.sign_bit if negative else 0)
+
+    def fields(self, bits: int) -> tuple[int, int, int]:
+        """Split a pattern into (sign, biased exponent, mantissa)."""
+        self._check_bits(bits)
+        return (
+            bits >> (self.total_bits - 1),
+            (bits >> self.mantissa_bits) & self.exponent_mask,
+            bits & self.mantissa_mask,
+        )
+
+    def classify(self, bits: int) -> Literal["zero", "subnormal", "normal", "inf", "nan"]:
+        _, e, m = self.fields(bits)
+        if self.encoding == "fn":
+            if e == self.exponent_mask and m == self.mantissa_mask:
+                return "nan"
+        elif e == self.exponent_mask:
+            return "inf" if m == 0 else "nan"
+        if e == 0:
+            return "zero" if m == 0 else "subnormal"
+        return "normal"
+
+    # ---- decoding ------------------------------------------------------------------------
+    def _magnitude_exact(self, mag_bits: int) -> Fraction:
+        e, m = mag_bits >> self.mantissa_bits, mag_bits & self.mantissa_mask
+        if e == 0:
+            return Fraction(m) * Fraction(2) ** (self.emin - self.mantissa_bits)
+        unbiased = e - self._bias
+        return Fraction((1 << self.mantissa_bits) | m) * Fraction(2) ** (
+            unbiased - self.mantissa_bits
+        )
+
+    def decode_exact(self, bits: int) -> Fraction | str:
+        """Exact value of a pattern; 'inf', '-inf' or 'nan' for the specials.
+
+        -0 decodes to Fraction(0): use `decode` when the sign of zero matters.
+        """
+        kind = self.classify(bits)
+        sign, _, _ = self.fields(bits)
+        if kind == "nan":
+            return "nan"
+        if kind == "inf":
+            return "-inf" if sign else "inf"
+        value = self._magnitude_exact(bits & (self.sign_bit - 1))
+        return -value if sign else value
+
+    def decode(self, bits: int) -> float:
+        """Pattern → Python float (exact: every format here fits in a double)."""
+        exact = self.decode_exact(bits)
+        if isinstance(exact, str):
+            return float(exact)
+        return math.copysign(float(exact), -1.0 if bits & self.sign_bit else 1.0)
+
+    def decode_tensor(self, bits: torch.Tensor) -> torch.Tensor:
+        """Vectorised decode of integer patterns (any int dtype; sign-extended views are fine)."""
+        import torch
+
+        b = bits.to(torch.int64) & ((1 << self.total_bits) - 1)
+        sign = (b >> (self.total_bits - 1)) & 1
+        e = (b >> self.mantissa_bits) & self.exponent_mask
+        m = b & self.mantissa_mask
+        normal = e != 0
+        sig = torch.where(normal, m | (1 << self.mantissa_bits), m).to(torch.float64)
+        exp = torch.where(normal, e - self._bias, torch.full_like(e, self.emin))
+        val = torch.ldexp(sig, (exp - self.mantissa_bits).to(torch.float64))
+        top = e == self.exponent_mask
+        if self.encoding == "fn":
+            val = torch.where(top & (m == self.mantissa_mask), math.nan, val)
+        else:
+            val = torch.where(top, torch.where(m == 0, math.inf, math.nan), val)
+        return torch.where(sign == 1, -val, val)
+
+    # ---- encoding ------------------------------------------------------------------------
+    def round_exact(self, value: Fraction, negative: bool | None = None) -> Rounding:
+        """Round an exact non-zero finite value to nearest, ties to even; keep the G/R/S story."""
+        if value == 0:
+            raise ValueError("round_exact needs a non-zero value (zero has no exponent)")
+        neg = value < 0 if negative is None else negative
+        n, d = abs(value.numerator), value.denominator
+        exponent = _floor_log2(n, d)
+        eff = max(exponent, self.emin)
+        q = eff - self.mantissa_bits
+        # |x| / 2^q as num/den, with plain ints (no gcd on huge numbers)
+        num, den = (n, d << q) if q >= 0 else (n << -q, d)
+        truncated, rest = divmod(num, den)  # rest/den in [0, 1): the bits below the last place
+        guard = int(2 * rest >= den)
+        round_bit = (4 * rest // den) % 2
+        sticky = int(4 * rest % den != 0)
+        tie = 2 * rest == den
+        up = 2 * rest > den or (tie and truncated % 2 == 1)
+        sig = truncated + int(up)
+        mag_bits = ((eff - self.emin) << self.mantissa_bits) + sig
+        overflow = mag_bits > self.max_finite_bits
+        if overflow:
+            mag_bits = self._overflow_bits(neg) & (self.sign_bit - 1)
+        return Rounding(
+            negative=neg,
+            exponent=exponent,
+            subnormal=exponent < self.emin,
+            quantum_exp=q,
+            truncated=truncated,
+            guard=guard,
+            round_bit=round_bit,
+            sticky=sticky,
+            rounded_up=up,
+            tie=tie,
+            significand=sig,
+            overflow=overflow,
+            bits=mag_bits | (self.sign_bit if neg else 0),
+        )
+
+    def _overflow_bits(self, negative: bool) -> int:
+        s = self.sign_bit if negative else 0
+        inf = self.inf_bits(negative)
+        if self.overflow == "inf" and inf is not None:
+            return inf
+        if self.overflow == "saturate":
+            return self.max_finite_bits | s
+        return self.nan_bits(negative)
+
+    def encode(self, x: Number) -> int:
+        """Round any real (float, int, exact Fraction, or decimal string like "0.1") to a pattern.
+
+        Works from the exact value, so a double is rounded once (no detour through fp32) and
+        the string "0.1" means the real number 1/10, not the double nearest to it.
+        """
+        if isinstance(x, str):
+            x = parse_number(x)
+        if isinstance(x, float):
+            negative = math.copysign(1.0, x) < 0
+            if math.isnan(x):
+                return self.nan_bits(negative)
+            if math.isinf(x):
+                inf = self.inf_bits(negative)
+                return inf if inf is not None else self._overflow_bits(negative)
+            if x == 0:
+                return self.sign_bit if negative else 0
+            return self.round_exact(Fraction(x), negative).bits
+        value = Fraction(x)
+        if value == 0:
+            return 0
+        return self.round_exact(value).bits
+
+    def encode_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Vectorised `encode` of a float tensor → int64 patterns (unsigned, < 2^total_bits).
+
+        Works on the float64 bit pattern (exact for float32/16/bf16 inputs) with integer
+        shifts only: |x| = M·2^E, keep M >> shift, round with the remainder vs half.
+        """
+        import torch
+
+        if self.mantissa_bits > 51 or self.emin - self.mantissa_bits < -1000:
+            raise ValueError(f"{self.name}: too wide for the float64-based vectorised path")
+        x = t.detach().to(torch.float64).contiguous()
+        b = x.view(torch.int64)
+        sign = (b >> 63) & 1
+        e64 = (b >> 52) & 0x7FF
+        m64 = b & ((1 << 52) - 1)
+        normal = e64 != 0
+        M = torch.where(normal, m64 | (1 << 52), m64)
+        # float64 subnormals (< 2^-1022) sit far below every format's smallest subnormal;
+        # pretending their exponent is -1022 still yields the right (zero) result.
+        ue = torch.where(normal, e64 - 1023, torch.full_like(e64, -1022))
+        eff = torch.clamp(ue, min=self.emin)
+        shift = (eff - self.mantissa_bits - ue + 52).clamp(max=62)  # ≥ 1 since m ≤ 51
+        one = torch.ones_like(shift)
+        r = M >> shift
+        rest = M & ((one << shift) - 1)
+        half = one << (shift - 1)
+        up = (rest > half) | ((rest == half) & ((r & 1) == 1))
+        mag = ((eff - self.emin) << self.mantissa_bits) + r + up.to(torch.int64)
+        over = mag > self.max_finite_bits
+        mag = torch.where(over, self._overflow_bits(False), mag)
+        special = e64 == 0x7FF
+        is_nan = special & (m64 != 0)
+        inf_mag = self.inf_bits() if self.has_inf else self._overflow_bits(False)
+        mag = torch.where(special & ~is_nan, inf_mag, mag)
+        mag = torch.where(is_nan, self.nan_bits(), mag)
+        return mag | (sign << (self.total_bits - 1))
+
+    # ---- text ----------------------------------------------------------------------------
+    def format_bits(self, bits: int, sep: str = " ") -> str:
+        """'0 10000010 00110100000000000000000': the fields, as one writes them by hand."""
+        s, e, m = self.fields(bits)
+        return sep.join((str(s), f"{e:0{self.exponent_bits}b}", f"{m:0{self.mantissa_bits}b}"))
+
+    def hex_bits(self, bits: int) -> str:
+        self._check_bits(bits)
+        return f"0x{bits:0{(self.total_bits + 3) // 4}X}"
+
+    def parse_bits(self, text: str) -> int:
+        """Read a pattern written for this format (fields optionally spaced, or 0x hex)."""
+        return parse_bits(text, self)[1]
+
+    def _check_bits(self, bits: int) -> None:
+        if not 0 <= bits < (1 << self.total_bits):
+            raise ValueError(f"{bits:#x} is not a {self.total_bits}-bit {self.name} pattern")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FP32 = FloatFormat(
+    "fp32", 8, 23, torch_dtype_name="float32",
+    aliases=("float32", "f32", "float", "single", "binary32"),
+    description="IEEE 754 binary32",
+)  # fmt: skip
+TF32 = FloatFormat(
+    "tf32", 8, 10, aliases=("tensorfloat32", "tensorfloat-32"),
+    description="tensor-core matmul input; no torch dtype (reference only)",
+)  # fmt: skip
+FP16 = FloatFormat(
+    "fp16", 5, 10, torch_dtype_name="float16",
+    aliases=("float16", "f16", "half", "binary16"),
+    description="IEEE 754 binary16; small range, needs loss scaling",
+)  # fmt: skip
+BF16 = FloatFormat(
+    "bf16", 8, 7, torch_dtype_name="bfloat16", aliases=("bfloat16", "brain-float"),
+    description="fp32's top 16 bits",
+)  # fmt: skip
+FP8_E4M3 = FloatFormat(
+    "fp8-e4m3", 4, 3, encoding="fn", overflow="saturate", torch_dtype_name="float8_e4m3fn",
+    aliases=("e4m3", "e4m3fn", "fp8-e4m3fn", "float8-e4m3fn", "fp8e4m3"),
+    description="OCP FP8 for weights/activations",
+)  # fmt: skip
+FP8_E5M2 = FloatFormat(
+    "fp8-e5m2", 5, 2, nan_mantissa=0b11, torch_dtype_name="float8_e5m2",
+    aliases=("e5m2", "float8-e5m2", "fp8e5m2"),
+    description="OCP FP8 for gradients (fp16 with 8 mantissa bits cut)",
+)  # fmt: skip
+
+#: Formats in the order tables list them.
+ALL_FORMATS: tuple[FloatFormat, ...] = (FP32, TF32, FP16, BF16, FP8_E4M3, FP8_E5M2)
+
+
+def _floor_log2(n: int, d: int) -> int:
+    """floor(log2(n/d)) for positive ints, exactly."""
+    e = n.bit_length() - d.bit_length()
+    return e - 1 if (n << max(0, -e)) < (d << max(0, e)) else e
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+FORMATS: dict[str, FloatFormat] = {}
+for _f in ALL_FORMATS:
+    for _n in (_f.name, *_f.aliases):
+        FORMATS[_key(_n)] = _f
+
+
+def get_format(name: str | FloatFormat) -> FloatFormat:
+    """Look a format up by name or alias (case and -/_ insensitive)."""
+    if isinstance(name, FloatFormat):
+        return name
+    try:
+        return FORMATS[_key(name)]
+    except KeyError:
+        valid = ", ".join(f.name for f in ALL_FORMATS)
+        aliases = ", ".join(a for f in ALL_FORMATS for a in f.aliases)
+        raise ValueError(
+            f"unknown float format {name!r}; valid: {valid} (aliases: {aliases})"
+        ) from None
+
+
+_SPECIAL_NUMBERS = {"inf": math.inf, "infinity": math.inf, "nan": math.nan}
+
+
+def parse_number(text: str) -> Fraction | float:
+    """'0.1', '1e-8', '-2.5', '1/3', '0x1.8p3' → exact Fraction; 'inf'/'nan' → float.
+
+    Returns a float only for the specials, or for "-0" (to keep the sign of zero).
+    """
+    s = text.strip().lower()
+    body = s.lstrip("+-")
+    negative = s.startswith("-")
+    if body in _SPECIAL_NUMBERS:
+        v = _SPECIAL_NUMBERS[body]
+        return -v if negative else v
+    big = re.search(r"e([+-]?\d+)$", body)
+    if big and abs(int(big.group(1))) > 100_000:
+        raise ValueError(f"{text!r}: decimal exponent beyond ±100000 (every format is ±inf or 0)")
+    try:
+        if body.startswith("0x"):
+            value = Fraction(float.fromhex(s))
+        else:
+            value = Fraction(s.replace("_", ""))
+    except (ValueError, ZeroDivisionError, OverflowError):
+        raise ValueError(
+            f"cannot read {text!r} as a number (try 9.625, -2.5, 1e-8, 1/3, inf, nan)"
+        ) from None
+    if value == 0 and negative:
+        return -0.0
+    return value
+
+
+_GROUP_SPLIT = re.compile(r"[\s._|]+")
+
+
+def parse_bits(text: str, fmt: FloatFormat | str | None = None) -> tuple[FloatFormat, int]:
+    """Read '0 10000010 0011…', '01000001000110100000000000000000' or '0x411A0000'.
+
+    Grouped fields name their format by widths (1/5/10 is fp16); an ungrouped pattern whose
+    length fits several formats (16 bits: fp16 or bf16) needs `fmt`.
+    """
+    given = get_format(fmt) if fmt is not None else None
+    s = text.strip()
+    if s.lower().startswith("0x"):
+        digits = re.sub(r"[\s_]", "", s[2:])
+        if not digits or not re.fullmatch(r"[0-9a-fA-F]+", digits):
+            raise ValueError(f"{text!r} is not a hex pattern")
+        bits, width = int(digits, 16), 4 * len(digits)
+        if given is None:
+            matches = [f for f in ALL_FORMATS if (f.total_bits + 3) // 4 * 4 == width]
+            given = _pick(matches, f"a {len(digits)}-digit hex pattern", text)
+        if bits >> given.total_bits:
+            raise ValueError(f"{text!r} does not fit in {given.total_bits}-bit {given.name}")
+        return given, bits
+    if s.lower().startswith("0b"):
+        s = s[2:]
+    groups = [g for g in _GROUP_SPLIT.split(s) if g]
+    if not groups or any(set(g) - {"0", "1"} for g in groups):
+        raise ValueError(f"{text!r} is not a bit pattern: use 0s and 1s, or 0x hex")
+    joined = "".join(groups)
+    if len(groups) == 3:
+        widths = tuple(len(g) for g in groups)
+        if widths[0] != 1:
+            raise ValueError(f"{text!r}: the first field is the sign and must be 1 bit")
+        matches = [f for f in ALL_FORMATS if (f.exponent_bits, f.mantissa_bits) == widths[1:]]
+        if given is None:
+            if not matches:
+                known = ", ".join(
+                    f"{f.name} 1/{f.exponent_bits}/{f.mantissa_bits}" for f in ALL_FORMATS
+                )
+                raise ValueError(f"no format has fields 1/{widths[1]}/{widths[2]} (known: {known})")
+            given = matches[0]
+        elif (given.exponent_bits, given.mantissa_bits) != widths[1:]:
+            raise ValueError(
+                f"{text!r} has fields 1/{widths[1]}/{widths[2]} but {given.name} is "
+                f"1/{given.exponent_bits}/{given.mantissa_bits}"
+            )
+    elif len(groups) != 1:
+        raise ValueError(f"{text!r}: write the fields as 'S EEEE MMM' (3 groups) or ungrouped")
+    elif given is None:
+        matches = [f for f in ALL_FORMATS if f.total_bits == len(joined)]
+        given = _pick(matches, f"{len(joined)} ungrouped bits", text)
+    if len(joined) != given.total_bits:
+        raise ValueError(f"{text!r} has {len(joined)} bits but {given.name} has {given.total_bits}")
+    return given, int(joined, 2)
+
+
+def _pick(matches: list[FloatFormat], what: str, text: str) -> FloatFormat:
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise ValueError(f"{text!r}: no format matches {what}; pass --format")
+    names = " or ".join(f"{f.name} (1/{f.exponent_bits}/{f.mantissa_bits})" for f in matches)
+    f = matches[0]
+    example = f"0 0{'1' * (f.exponent_bits - 1)} {'0' * f.mantissa_bits}"
+    raise ValueError(
+        f"{text!r}: {what} could be {names}; group the fields with spaces "
+        f"(e.g. '{example}' is 1.0 in {f.name}) or pass --format"
+    )

@@ -1,0 +1,57 @@
+"""Which dtype each model-state tensor lives in (SPEC §4).
+
+Mixed precision (`bf16`, `fp16`): the model's parameters are half precision and run
+forward/backward; an FP32 master copy is what the optimizer updates, because an update
+η·g smaller than half an ulp of a half-precision weight would round away to nothing.
+`fp32`: the parameters are their own master. `bf16-pure`: half-precision parameters
+*and* no master — the documented contrast that shows small updates vanishing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.config import PrecisionConfig
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "bf16-pure": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    name: str
+    param_dtype: torch.dtype  # storage and compute dtype of the model's parameters
+    master_dtype: torch.dtype | None  # None: the optimizer updates the parameters themselves
+    grad_dtype: torch.dtype  # gradients accumulate across micro-steps in this dtype
+    reduce_dtype: torch.dtype  # gradients travel between ranks in this dtype
+    loss_scaling: bool  # fp16 only: its 5-bit exponent flushes small gradients
+
+    @classmethod
+    def from_config(cls, cfg: PrecisionConfig) -> PrecisionPolicy:
+        param = _DTYPES[cfg.dtype]
+        mixed = cfg.dtype in ("bf16", "fp16")
+        grad = torch.float32 if cfg.grad_accum_dtype == "fp32" else param
+        red = torch.float32 if cfg.reduce_dtype == "fp32" else param
+        return cls(
+            cfg.dtype, param, torch.float32 if mixed else None, grad, red, cfg.dtype == "fp16"
+        )
+
+    @property
+    def has_master(self) -> bool:
+        return self.master_dtype is not None
+
+    def describe(self) -> str:
+        def n(d: torch.dtype | None) -> str:
+            return str(d).removeprefix("torch.") if d is not None else "none (params are updated)"
+
+        return (
+            f"{self.name}: params {n(self.param_dtype)}, master {n(self.master_dtype)}, "
+            f"grads accumulate in {n(self.grad_dtype)}, reduce in {n(self.reduce_dtype)}"
+            + (", dynamic loss scaling" if self.loss_scaling else "")
+        )

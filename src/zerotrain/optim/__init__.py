@@ -1,0 +1,85 @@
+"""Optimizers: update rules on flat fp32 tensors, torch.optim-style classes, lr schedules.
+
+- `functional`: the update rules (`adamw_`, `sgd_`, ...), the only place their math lives.
+- `optimizers`: torch.optim-compatible classes calling them (state names as torch's).
+- `schedule`: warmup / hold / decay learning rate as a pure function of the step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerotrain.optim import functional
+from zerotrain.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, Muon, RMSprop
+from zerotrain.optim.schedule import WarmupDecayLR, lr_at, lr_from_config
+
+if TYPE_CHECKING:
+    from zerotrain.config import OptimizerConfig
+
+__all__ = [
+    "OPTIMIZERS", "SGD", "Adagrad", "Adam", "AdamW", "Lion", "Muon", "RMSprop",
+    "WarmupDecayLR", "build_optimizer", "functional", "lr_at", "lr_from_config",
+    "state_bytes_per_param",
+]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": AdamW,
+    "adam": Adam,
+    "sgd": SGD,
+    "adagrad": Adagrad,
+    "rmsprop": RMSprop,
+    "lion": Lion,
+    "muon": Muon,
+}
+
+MUON_DEFAULT_MOMENTUM = 0.95
+
+
+def _class(name: str) -> Any:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{name}'; choose one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
+
+
+def state_bytes_per_param(name: str, momentum: float = 0.0) -> int:
+    """fp32 optimizer-state bytes per parameter: K in the memory model (SPEC §6).
+
+    adam/adamw 8 (m, v); sgd 0, or 4 with momentum; adagrad 4 (sum of g²); rmsprop 4
+    (+4 with momentum); lion 4; muon 4 (its AdamW-fallback tensors carry 8). The fp32
+    master copy of mixed precision is not optimizer state and is not counted here.
+    """
+    return _class(name).state_bytes_per_param(momentum=momentum)
+
+
+def build_optimizer(
+    cfg: OptimizerConfig, param_groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """Map the `optimizer:` config section onto the class's hyper-parameters.
+
+    Each group dict already carries its own "weight_decay" (and may carry "lr");
+    cfg values are the defaults for whatever a group leaves out.
+    """
+    name, lr, wd = cfg.name, cfg.lr, cfg.weight_decay
+    _class(name)  # a clear error for an unknown name
+    compiled = bool(getattr(cfg, "compile", False))  # future config field, off by default
+    if name in ("adam", "adamw"):
+        return _class(name)(param_groups, lr=lr, betas=cfg.betas, eps=cfg.eps,
+                            weight_decay=wd, compiled=compiled)
+    if name == "sgd":
+        return SGD(param_groups, lr=lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                   weight_decay=wd, nesterov=cfg.nesterov)
+    if name == "adagrad":
+        return Adagrad(param_groups, lr=lr, lr_decay=cfg.lr_decay, weight_decay=wd,
+                       eps=cfg.eps)
+    if name == "rmsprop":
+        return RMSprop(param_groups, lr=lr, alpha=cfg.alpha, eps=cfg.eps, weight_decay=wd,
+                       momentum=cfg.momentum)
+    if name == "lion":
+        return Lion(param_groups, lr=lr, betas=cfg.betas, weight_decay=wd)
+    if name == "muon":
+        return Muon(param_groups, lr=lr, weight_decay=wd,
+                    momentum=cfg.momentum or MUON_DEFAULT_MOMENTUM, nesterov=cfg.nesterov,
+                    ns_steps=cfg.ns_steps, adamw_betas=cfg.betas, adamw_eps=cfg.eps)
+    raise AssertionError(f"optimizer '{name}' is registered but not mapped from the config")

@@ -1,0 +1,446 @@
+"""Update rules as in-place functions on tensors: the one implementation of each rule.
+
+Every optimizer class, and every ZeRO shard (a flat fp32 slice of the master buffer),
+calls these functions, so the arithmetic of each rule lives in exactly one place: a
+private `_*_math` function written with `torch._foreach_*` ops over lists of tensors.
+
+How the work is cut (the speed comes from here, not from the arithmetic):
+- On CPU the lists are re-cut into *blocks* of about `BLOCK_ELEMENTS` elements: big
+  tensors are split into contiguous views, small ones are batched together. A rule
+  is several passes over its tensors (AdamW: 8); run block by block, passes 2..8 find
+  the block in L2 cache, so DRAM sees roughly one read of p, g, m, v and one write of
+  p, m, v per step instead of one per pass. Batching also means one Python call per
+  block rather than one per small tensor.
+- On accelerators blocks would only add kernel launches, so the whole list goes to
+  the foreach kernels at once.
+- `compiled=True` (Adam/AdamW) hands each large tensor to `torch.compile` of the same
+  `_adam_math`, which fuses the passes into a single loop: one read and one write per
+  element, like torch's `fused=True`. Lr- and step-dependent scalars enter as 0-d
+  tensors multiplying tensors (never as `value=`/`alpha=` arguments, which the compiler
+  would bake in and recompile for every new learning rate).
+
+Conventions follow torch.optim (weight decay as L2 for SGD/Adam/AdaGrad/RMSProp,
+decoupled θ ← θ − η·λ·θ for AdamW/Lion/Muon); see SPEC.md §1 for the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+Tensors = Tensor | Sequence[Tensor]
+
+#: Elements per cache block on CPU: 1 MiB per fp32 tensor; AdamW touches 5 such
+#: tensors per block, which stays inside a 2-4 MiB L2 when two threads share the work.
+BLOCK_ELEMENTS = 1 << 18
+#: Tensors at least this large go through the compiled kernel when `compiled=True`;
+#: smaller ones are cheaper in eager batches than as one compiled call each.
+COMPILE_MIN_ELEMENTS = 1 << 16
+
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def _as_list(x: Tensors) -> list[Tensor]:
+    return [x] if isinstance(x, Tensor) else list(x)
+
+
+def _lists(*xs: Tensors) -> tuple[list[Tensor], ...]:
+    out = tuple(_as_list(x) for x in xs)
+    n = len(out[0])
+    for lst in out[1:]:
+        if len(lst) != n:
+            raise ValueError(f"tensor lists differ in length ({n} vs {len(lst)})")
+        for i, (p, t) in enumerate(zip(out[0], lst)):
+            if t.shape != p.shape:
+                raise ValueError(f"tensor {i}: shape {tuple(t.shape)} does not match the "
+                                 f"parameter's {tuple(p.shape)}; was optimizer state loaded "
+                                 "for a different parameter order?")
+    return out
+
+
+def _blocks(lists: tuple[list[Tensor], ...]) -> Iterator[tuple[list[Tensor], ...]]:
+    """Re-cut parallel tensor lists into cache-sized batches (see the module docstring)."""
+    if not lists[0]:
+        return
+    if lists[0][0].device.type != "cpu":
+        yield lists
+        return
+    block = BLOCK_ELEMENTS
+    batch: tuple[list[Tensor], ...] = tuple([] for _ in lists)
+    size = 0
+    for i in range(len(lists[0])):
+        ts = [lst[i] for lst in lists]
+        n = ts[0].numel()
+        if n > block and all(t.is_contiguous() for t in ts):
+            if size:
+                yield batch
+                batch, size = tuple([] for _ in lists), 0
+            yield from zip(*([[piece] for piece in t.view(-1).split(block)] for t in ts))
+            continue
+        if size and size + n > block:
+            yield batch
+            batch, size = tuple([] for _ in lists), 0
+        for lst, t in zip(batch, ts):
+            lst.append(t)
+        size += n
+    if size:
+        yield batch
+
+
+_COMPILED: dict[Callable, Callable] = {}
+_COMPILE_BROKEN = False
+
+
+def _run(
+    math_fn: Callable,
+    lists: tuple[list[Tensor], ...],
+    scalars: tuple[float, ...],
+    consts: dict,
+    compiled: bool = False,
+) -> None:
+    """Apply `math_fn` block by block; big tensors optionally through torch.compile."""
+    global _COMPILE_BROKEN
+    if compiled and not _COMPILE_BROKEN:
+        big = [
+            i for i, t in enumerate(lists[0])
+            if t.numel() >= COMPILE_MIN_ELEMENTS and all(lst[i].is_contiguous() for lst in lists)
+        ]
+        if big:
+            fn = _COMPILED.get(math_fn)
+            if fn is None:
+                fn = _COMPILED[math_fn] = torch.compile(math_fn, dynamic=True, fullgraph=True)
+            done: set[int] = set()
+            try:
+                for i in big:
+                    dev = lists[0][i].device
+                    boxed = [torch.tensor(s, dtype=torch.float64, device=dev) for s in scalars]
+                    fn(*([lst[i]] for lst in lists), *boxed, **consts)
+                    done.add(i)
+            except Exception as e:  # no C++ compiler / triton: stay correct, just slower
+                _COMPILE_BROKEN = True
+                warnings.warn(f"torch.compile of the optimizer step failed ({e!r:.200}); "
+                              "falling back to eager", RuntimeWarning, stacklevel=3)
+            keep = [i for i in range(len(lists[0])) if i not in done]
+            lists = tuple([lst[i] for i in keep] for lst in lists)
+    for batch in _blocks(lists):
+        math_fn(*batch, *scalars, **consts)
+
+
+# ----------------------------------------------------------------------------- SGD
+
+
+def _sgd_math(P, G, B, lr, *, momentum, dampening, nesterov, weight_decay, init):
+    D = torch._foreach_add(G, P, alpha=weight_decay) if weight_decay else G
+    if momentum:
+        if init:  # torch starts the buffer at the first (decayed) gradient, undampened
+            torch._foreach_copy_(B, D)
+        else:
+            torch._foreach_mul_(B, momentum)
+            torch._foreach_add_(B, D, alpha=1 - dampening)
+        D = torch._foreach_add(D, B, alpha=momentum) if nesterov else B
+    torch._foreach_add_(P, D, alpha=-lr)
+
+
+def sgd_(
+    param: Tensors,
+    grad: Tensors,
+    momentum_buffer: Tensors | None = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    init: bool = False,
+) -> None:
+    """SGD with optional momentum: v ← γ·v + (1−d)·g; θ ← θ − η·v (or g + γ·v, Nesterov).
+
+    `init=True` marks the buffer as fresh: like torch it then becomes g itself (no
+    dampening), so a zero-filled ZeRO buffer and torch's lazily created one agree.
+    """
+    if momentum and momentum_buffer is None:
+        raise ValueError("momentum > 0 needs a momentum_buffer")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum needs momentum > 0 and dampening 0")
+    # without momentum P stands in for the buffer list: a placeholder, never touched
+    P, G, B = _lists(param, grad, momentum_buffer if momentum else param)
+    consts = dict(momentum=momentum, dampening=dampening, nesterov=nesterov,
+                  weight_decay=weight_decay, init=init)
+    _run(_sgd_math, (P, G, B), (lr,), consts)
+
+
+# ----------------------------------------------------------------------------- AdaGrad
+
+
+def _adagrad_math(P, G, S, clr, *, eps, weight_decay):
+    if weight_decay:
+        G = torch._foreach_add(G, P, alpha=weight_decay)
+    torch._foreach_addcmul_(S, G, G)
+    D = torch._foreach_sqrt(S)
+    torch._foreach_add_(D, eps)
+    torch._foreach_addcdiv_(P, G, D, value=-clr)
+
+
+def adagrad_(
+    param: Tensors,
+    grad: Tensors,
+    state_sum: Tensors,
+    *,
+    step: int,
+    lr: float,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    eps: float = 1e-10,
+) -> None:
+    """AdaGrad: G ← G + g²; θ ← θ − η_t·g/(√G + ε), η_t = η/(1 + (t−1)·lr_decay)."""
+    P, G, S = _lists(param, grad, state_sum)
+    clr = lr / (1 + (step - 1) * lr_decay)
+    _run(_adagrad_math, (P, G, S), (clr,), dict(eps=eps, weight_decay=weight_decay))
+
+
+# ----------------------------------------------------------------------------- RMSProp
+
+
+def _rmsprop_math(P, G, SQ, GA, B, lr, *, alpha, eps, weight_decay, momentum, centered):
+    if weight_decay:
+        G = torch._foreach_add(G, P, alpha=weight_decay)
+    torch._foreach_mul_(SQ, alpha)
+    torch._foreach_addcmul_(SQ, G, G, 1 - alpha)
+    if centered:  # variance instead of raw second moment: subtract the mean's square
+        torch._foreach_lerp_(GA, G, 1 - alpha)
+        D = torch._foreach_addcmul(SQ, GA, GA, -1)
+        torch._foreach_sqrt_(D)
+    else:
+        D = torch._foreach_sqrt(SQ)
+    torch._foreach_add_(D, eps)  # ε outside the square root, like torch
+    if momentum > 0:
+        torch._foreach_mul_(B, momentum)
+        torch._foreach_addcdiv_(B, G, D)
+        torch._foreach_add_(P, B, alpha=-lr)
+    else:
+        torch._foreach_addcdiv_(P, G, D, value=-lr)
+
+
+def rmsprop_(
+    param: Tensors,
+    grad: Tensors,
+    square_avg: Tensors,
+    *,
+    lr: float,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    momentum_buffer: Tensors | None = None,
+    centered: bool = False,
+    grad_avg: Tensors | None = None,
+) -> None:
+    """RMSProp: v ← α·v + (1−α)·g²; θ ← θ − η·g/(√v + ε), optionally centered/with momentum."""
+    if momentum > 0 and momentum_buffer is None:
+        raise ValueError("momentum > 0 needs a momentum_buffer")
+    if centered and grad_avg is None:
+        raise ValueError("centered=True needs a grad_avg buffer")
+    # unused buffer lists get `param` as a placeholder that the math never touches
+    P, G, SQ, GA, B = _lists(param, grad, square_avg, grad_avg if centered else param,
+                             momentum_buffer if momentum > 0 else param)
+    consts = dict(alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                  centered=centered)
+    _run(_rmsprop_math, (P, G, SQ, GA, B), (lr,), consts)
+
+
+# ----------------------------------------------------------------------------- Adam / AdamW
+
+
+def _adam_math(P, G, M, V, decay, denom_scale, denom_eps, *, beta1, beta2, l2, decoupled,
+               update):
+    # θ ← θ − s·m/(√v/c2 + ε) is rewritten as θ ← θ − m/D with D = √v·(1/(c2·s)) + ε/s,
+    # so the step-dependent scalars are plain multiplicands (see module docstring).
+    if l2:
+        G = torch._foreach_add(G, P, alpha=l2)
+    if decoupled:
+        torch._foreach_mul_(P, decay)
+    torch._foreach_lerp_(M, G, 1 - beta1)
+    torch._foreach_mul_(V, beta2)
+    torch._foreach_addcmul_(V, G, G, 1 - beta2)
+    if update:
+        D = torch._foreach_sqrt(V)
+        torch._foreach_mul_(D, denom_scale)
+        torch._foreach_add_(D, denom_eps)
+        torch._foreach_addcdiv_(P, M, D, -1.0)
+
+
+def _adam(P, G, M, V, step, lr, beta1, beta2, eps, weight_decay, decoupled, compiled):
+    if step < 1:
+        raise ValueError(f"step counts updates from 1, got {step}")
+    bc1 = 1 - beta1**step  # bias corrections: m and v start at 0
+    bc2_sqrt = (1 - beta2**step) ** 0.5
+    step_size = lr / bc1
+    update = step_size != 0  # lr 0 (first warmup step): moments move, θ does not
+    decay = 1 - lr * weight_decay
+    scale = 1 / (bc2_sqrt * step_size) if update else 1.0
+    denom_eps = eps / step_size if update else 1.0
+    consts = dict(beta1=beta1, beta2=beta2, l2=0.0 if decoupled else weight_decay,
+                  decoupled=decoupled and weight_decay != 0, update=update)
+    _run(_adam_math, (P, G, M, V), (decay, scale, denom_eps), consts, compiled)
+
+
+def adam_(
+    param: Tensors,
+    grad: Tensors,
+    exp_avg: Tensors,
+    exp_avg_sq: Tensors,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    compiled: bool = False,
+) -> None:
+    """Adam with weight decay as L2 (g ← g + λ·θ), exactly torch.optim.Adam's convention.
+
+    `step` is the number of this update (1 for the first), used for bias correction.
+    """
+    P, G, M, V = _lists(param, grad, exp_avg, exp_avg_sq)
+    _adam(P, G, M, V, step, lr, beta1, beta2, eps, weight_decay, False, compiled)
+
+
+def adamw_(
+    param: Tensors,
+    grad: Tensors,
+    exp_avg: Tensors,
+    exp_avg_sq: Tensors,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    compiled: bool = False,
+) -> None:
+    """AdamW: Adam plus decoupled decay θ ← θ − η·λ·θ, independent of the gradient scale."""
+    P, G, M, V = _lists(param, grad, exp_avg, exp_avg_sq)
+    _adam(P, G, M, V, step, lr, beta1, beta2, eps, weight_decay, True, compiled)
+
+
+# ----------------------------------------------------------------------------- Lion
+
+
+def _lion_math(P, G, M, lr, decay, *, beta1, beta2, weight_decay):
+    C = torch._foreach_mul(M, beta1)  # c = β1·m + (1−β1)·g: interpolation for the sign
+    torch._foreach_add_(C, G, alpha=1 - beta1)
+    torch._foreach_sign_(C)
+    if weight_decay:
+        torch._foreach_mul_(P, decay)
+    torch._foreach_add_(P, C, alpha=-lr)
+    torch._foreach_mul_(M, beta2)  # the state tracks g with the slower β2
+    torch._foreach_add_(M, G, alpha=1 - beta2)
+
+
+def lion_(
+    param: Tensors,
+    grad: Tensors,
+    exp_avg: Tensors,
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.99,
+    weight_decay: float = 0.0,
+) -> None:
+    """Lion (Chen et al. 2023): θ ← θ − η·(sign(β1·m + (1−β1)·g) + λ·θ); m ← β2·m + (1−β2)·g.
+
+    Every coordinate moves by exactly ±η, so Lion wants a 3-10x smaller lr than AdamW.
+    """
+    P, G, M = _lists(param, grad, exp_avg)
+    consts = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    _run(_lion_math, (P, G, M), (lr, 1 - lr * weight_decay), consts)
+
+
+# ----------------------------------------------------------------------------- Muon
+
+
+def newton_schulz(
+    G: Tensor,
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
+    eps: float = 1e-7,
+) -> Tensor:
+    """Approximate U·Vᵀ of G = U·S·Vᵀ with the quintic Newton–Schulz iteration.
+
+    X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X after scaling G to Frobenius norm 1 (so every
+    singular value is ≤ 1). The coefficients trade exactness for speed: singular
+    values land in roughly [0.7, 1.2] rather than at 1, which Muon does not mind.
+    Tensors with more than two dims are treated as (shape[0], rest) matrices.
+    """
+    a, b, c = coefficients
+    X = G.reshape(G.shape[0], -1)
+    wide = X.shape[0] <= X.shape[1]
+    if not wide:  # iterate on the smaller Gram matrix
+        X = X.mT
+    X = X / (X.norm() + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
+    if not wide:
+        X = X.mT
+    return X.reshape(G.shape)
+
+
+def muon_lr(lr: float, shape: Sequence[int], adjust_lr_fn: str | None) -> float:
+    """Per-matrix lr for Muon's orthogonalised update (which has unit singular values).
+
+    "match_rms_adamw" (Liu et al. 2025, our default): η·0.2·√max(rows, cols) gives the
+    update the RMS of a typical AdamW update, so one lr and weight decay serve both the
+    matrices and the AdamW-fallback tensors of the same optimizer. "original" (Jordan
+    2024): η·√max(1, rows/cols), with Muon lrs around 0.02. None: η unchanged.
+    """
+    rows, cols = shape[0], math.prod(shape[1:])
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn is None:
+        return lr
+    raise ValueError(f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, "
+                     f"got {adjust_lr_fn!r}")
+
+
+def muon_(
+    param: Tensors,
+    grad: Tensors,
+    momentum_buffer: Tensors,
+    *,
+    lr: float,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    weight_decay: float = 0.0,
+    ns_steps: int = 5,
+    ns_coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    adjust_lr_fn: str | None = "match_rms_adamw",
+) -> None:
+    """Muon for matrices: θ ← θ(1 − η·λ) − η'·NS(u), u = momentum (or its Nesterov look-ahead).
+
+    The buffer is an EMA, b ← μ·b + (1−μ)·g, like torch.optim.Muon, so its state loads
+    there; that is the paper's b ← μ·b + g times (1−μ), and NS normalises scale away.
+    """
+    for p, g, buf in zip(*_lists(param, grad, momentum_buffer)):
+        if p.ndim < 2:
+            raise ValueError(f"Muon orthogonalises matrices; got a {p.ndim}-D tensor "
+                             "(give 1-D tensors to the AdamW fallback)")
+        buf.lerp_(g, 1 - momentum)
+        u = g.lerp(buf, momentum) if nesterov else buf
+        o = newton_schulz(u, ns_steps, ns_coefficients, eps)
+        if weight_decay:
+            p.mul_(1 - lr * weight_decay)
+        p.add_(o, alpha=-muon_lr(lr, p.shape, adjust_lr_fn))

@@ -1,0 +1,359 @@
+"""torch.optim-compatible optimizer classes around the rules in `functional.py`.
+
+The classes only keep state and hyper-parameters; every update is one call into
+`functional`. State uses torch's names (`momentum_buffer`, `sum`, `square_avg`,
+`exp_avg`, `exp_avg_sq`, `step` as a float32 0-d tensor), so a torch.optim checkpoint
+loads into these classes and theirs into torch's, and training continues identically.
+
+They work equally for a model's many parameters and for the few large flat fp32
+segments the ZeRO engine hands over: `functional` cuts both into cache-sized blocks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zerotrain.optim import functional as F
+
+Params = Iterable[Tensor] | Iterable[dict[str, Any]]
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _check_betas(betas: tuple[float, float], name: str = "betas") -> None:
+    _check(len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
+           f"{name} must be two numbers in [0, 1), got {betas}")
+
+
+class _Base(torch.optim.Optimizer):
+    """Shared plumbing: step() loop, state init, torch-compatible loading."""
+
+    #: torch.optim group flags we do not implement; a checkpoint asking for them is refused.
+    _REFUSED = ("amsgrad", "maximize", "differentiable")
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
+        """fp32 bytes of optimizer state per parameter (K in the memory model)."""
+        raise NotImplementedError
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # load_state_dict replaces each group dict by the saved one; a torch.optim
+        # checkpoint lacks our own keys (e.g. `compiled`), so fill in our defaults.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter that has a gradient; returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for flag in self._REFUSED:
+                if group.get(flag):
+                    raise ValueError(f"{type(self).__name__} does not implement torch.optim's "
+                                     f"{flag}=True; use torch.optim for that")
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+            if params:
+                self._update(group, params)
+        return loss
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        raise NotImplementedError
+
+    def _state(self, p: Tensor, init: Callable[[Tensor], dict[str, Tensor]]) -> dict[str, Any]:
+        st = self.state[p]
+        if not st:
+            st.update(init(p))
+        return st
+
+    def _count_step(self, params: list[Tensor]) -> dict[tuple, list[Tensor]]:
+        """Increment each param's step and bucket params by (device, step) for one call."""
+        buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+        for p in params:
+            st = self.state[p]
+            st["step"] += 1
+            buckets[(p.device, int(st["step"].item()))].append(p)
+        return buckets
+
+
+def _zeros(p: Tensor) -> Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _step0() -> Tensor:
+    return torch.tensor(0.0, dtype=torch.float32)
+
+
+def _adam_state(p: Tensor) -> dict[str, Tensor]:
+    return {"step": _step0(), "exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
+
+
+def _grads(params: list[Tensor]) -> list[Tensor]:
+    return [p.grad for p in params]  # type: ignore[misc]
+
+
+def _get(params: list[Tensor], states: Any, key: str) -> list[Tensor]:
+    return [states[p][key] for p in params]
+
+
+class SGD(_Base):
+    """SGD with optional (Nesterov) momentum and dampening; L2 weight decay like torch."""
+
+    def __init__(self, params: Params, lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False) -> None:
+        _check(lr >= 0, f"lr must be >= 0, got {lr}")
+        _check(momentum >= 0, f"momentum must be >= 0, got {momentum}")
+        _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+        _check(not nesterov or (momentum > 0 and dampening == 0),
+               "nesterov=True needs momentum > 0 and dampening 0")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov))
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
+        """0 for plain SGD, 4 with a momentum buffer."""
+        return 4 if momentum > 0 else 0
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        kw = dict(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                  nesterov=group["nesterov"], weight_decay=group["weight_decay"])
+        if not group["momentum"]:
+            F.sgd_(params, _grads(params), None, **kw)
+            return
+        # torch creates the buffer lazily at the first step, equal to the gradient
+        fresh = [p for p in params if self.state[p].get("momentum_buffer") is None]
+        for p in fresh:
+            self.state[p]["momentum_buffer"] = _zeros(p)
+        fresh_ids = {id(p) for p in fresh}
+        old = [p for p in params if id(p) not in fresh_ids]
+        for ps, init in ((fresh, True), (old, False)):
+            if ps:
+                F.sgd_(ps, _grads(ps), _get(ps, self.state, "momentum_buffer"), init=init, **kw)
+
+
+class Adagrad(_Base):
+    """AdaGrad with torch's lr_decay, initial_accumulator_value and eps."""
+
+    def __init__(self, params: Params, lr: float = 1e-2, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                 eps: float = 1e-10) -> None:
+        _check(lr >= 0, f"lr must be >= 0, got {lr}")
+        _check(lr_decay >= 0, f"lr_decay must be >= 0, got {lr_decay}")
+        _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+        _check(initial_accumulator_value >= 0,
+               f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
+        _check(eps >= 0, f"eps must be >= 0, got {eps}")
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value,
+                                      eps=eps))
+        # torch allocates AdaGrad's state up front (not at the first step); so do we,
+        # so that state_dict() matches before any step has run
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init(p, group)
+
+    def _init(self, p: Tensor, group: dict[str, Any]) -> None:
+        v = group["initial_accumulator_value"]
+        self._state(p, lambda p: {
+            "step": _step0(), "sum": torch.full_like(p, v, memory_format=torch.preserve_format)})
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
+        """4: the running sum of squared gradients."""
+        return 4
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        for p in params:  # groups added after construction
+            self._init(p, group)
+        for (_, step), ps in self._count_step(params).items():
+            F.adagrad_(ps, _grads(ps), _get(ps, self.state, "sum"), step=step, lr=group["lr"],
+                       lr_decay=group["lr_decay"], weight_decay=group["weight_decay"],
+                       eps=group["eps"])
+
+
+class RMSprop(_Base):
+    """RMSProp like torch: ε outside the root, optional momentum and centering."""
+
+    def __init__(self, params: Params, lr: float = 1e-2, alpha: float = 0.99,
+                 eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
+                 centered: bool = False) -> None:
+        _check(lr >= 0, f"lr must be >= 0, got {lr}")
+        _check(0 <= alpha <= 1, f"alpha must be in [0, 1], got {alpha}")
+        _check(eps >= 0, f"eps must be >= 0, got {eps}")
+        _check(momentum >= 0, f"momentum must be >= 0, got {momentum}")
+        _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                                      momentum=momentum, centered=centered))
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, centered: bool = False,
+                              **hyper: Any) -> int:
+        """4 for the square average, +4 with momentum, +4 when centered (grad average)."""
+        return 4 + (4 if momentum > 0 else 0) + (4 if centered else 0)
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        mom, centered = group["momentum"], group["centered"]
+
+        def init(p: Tensor) -> dict[str, Tensor]:
+            st = {"step": _step0(), "square_avg": _zeros(p)}
+            if mom > 0:
+                st["momentum_buffer"] = _zeros(p)
+            if centered:
+                st["grad_avg"] = _zeros(p)
+            return st
+
+        for p in params:
+            self._state(p, init)
+        for _, ps in self._count_step(params).items():
+            F.rmsprop_(ps, _grads(ps), _get(ps, self.state, "square_avg"), lr=group["lr"],
+                       alpha=group["alpha"], eps=group["eps"],
+                       weight_decay=group["weight_decay"], momentum=mom,
+                       momentum_buffer=_get(ps, self.state, "momentum_buffer") if mom > 0
+                       else None, centered=centered,
+                       grad_avg=_get(ps, self.state, "grad_avg") if centered else None)
+
+
+class Adam(_Base):
+    """Adam with L2 weight decay (g ← g + λθ) like torch.optim.Adam.
+
+    `compiled=True` runs the update of large tensors as one torch.compile-fused pass
+    (see functional.py); it needs a working inductor (a C++ compiler on CPU).
+    """
+
+    _decoupled = False
+
+    def __init__(self, params: Params, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, compiled: bool = False) -> None:
+        _check(lr >= 0, f"lr must be >= 0, got {lr}")
+        _check(eps >= 0, f"eps must be >= 0, got {eps}")
+        _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+        _check_betas(betas)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, compiled=compiled))
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
+        """8: first and second moments (m, v) in fp32."""
+        return 8
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        rule = F.adamw_ if self._decoupled else F.adam_
+        beta1, beta2 = group["betas"]
+        for p in params:
+            self._state(p, _adam_state)
+        for (_, step), ps in self._count_step(params).items():
+            rule(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
+                 _get(ps, self.state, "exp_avg_sq"), step=step, lr=group["lr"], beta1=beta1,
+                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                 compiled=group["compiled"])
+
+
+class AdamW(Adam):
+    """AdamW: decoupled weight decay θ ← θ − η·λ·θ (torch's η·λ convention)."""
+
+    _decoupled = True
+
+    def __init__(self, params: Params, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, compiled: bool = False) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, compiled=compiled)
+
+
+class Lion(_Base):
+    """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled decay."""
+
+    def __init__(self, params: Params, lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> None:
+        _check(lr >= 0, f"lr must be >= 0, got {lr}")
+        _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+        _check_betas(betas)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
+        """4: one momentum (exp_avg)."""
+        return 4
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        for p in params:
+            self._state(p, lambda p: {"exp_avg": _zeros(p)})
+        beta1, beta2 = group["betas"]
+        F.lion_(params, _grads(params), _get(params, self.state, "exp_avg"), lr=group["lr"],
+                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+
+
+class Muon(_Base):
+    """Muon for matrices, AdamW for everything else, in one optimizer.
+
+    A parameter takes the Muon path when its group's `use_muon` is True, or, when that
+    is None (default), when it has 2+ dims. Put embeddings and the output head in a
+    group with use_muon=False to give them AdamW, as Jordan et al. recommend. Both
+    paths share the group's lr and weight_decay; the default `adjust_lr_fn`
+    ("match_rms_adamw") scales Muon's update to AdamW's RMS so that works (see
+    functional.muon_lr). Muon state is torch.optim.Muon's `momentum_buffer`; the AdamW
+    tensors keep `step`, `exp_avg`, `exp_avg_sq`.
+    """
+
+    def __init__(self, params: Params, lr: float = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = F.MUON_NS_COEFFICIENTS,
+                 eps: float = 1e-7, ns_steps: int = 5,
+                 adjust_lr_fn: str | None = "match_rms_adamw",
+                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                 use_muon: bool | None = None) -> None:
+        _check(lr >= 0, f"lr must be >= 0, got {lr}")
+        _check(0 <= momentum < 1, f"momentum must be in [0, 1), got {momentum}")
+        _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+        _check(ns_steps >= 1, f"ns_steps must be >= 1, got {ns_steps}")
+        _check(adjust_lr_fn in (None, "original", "match_rms_adamw"),
+               f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, got {adjust_lr_fn!r}")
+        _check_betas(adamw_betas, "adamw_betas")
+        super().__init__(params, dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+            use_muon=use_muon))
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
+        """4: the momentum of each matrix. Tensors on the AdamW fallback carry 8, so this
+        is exact only when those (biases, norms; embeddings if excluded) are negligible."""
+        return 4
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        flag = group["use_muon"]
+        mats = [p for p in params if (p.ndim >= 2 if flag is None else flag)]
+        rest = [p for p in params if not (p.ndim >= 2 if flag is None else flag)]
+        if mats:
+            for p in mats:
+                self._state(p, lambda p: {"momentum_buffer": _zeros(p)})
+            F.muon_(mats, _grads(mats), _get(mats, self.state, "momentum_buffer"),
+                    lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
+                    weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
+                    ns_coefficients=group["ns_coefficients"], eps=group["eps"],
+                    adjust_lr_fn=group["adjust_lr_fn"])
+        if rest:
+            for p in rest:
+                self._state(p, _adam_state)
+            beta1, beta2 = group["adamw_betas"]
+            for (_, step), ps in self._count_step(rest).items():
+                F.adamw_(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
+                         _get(ps, self.state, "exp_avg_sq"), step=step, lr=group["lr"],
+                         beta1=beta1, beta2=beta2, eps=group["adamw_eps"],
+                         weight_decay=group["weight_decay"])

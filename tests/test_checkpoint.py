@@ -1,0 +1,210 @@
+"""Checkpoints: exact resume, atomic saves, resharding across stages/world sizes, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerotrain.checkpoint.io import CheckpointError, resolve
+from zerotrain.checkpoint.state import consolidate, export, load_engine, save_engine
+from zerotrain.config import build_config
+from zerotrain.engine import Engine
+from zerotrain.models.gpt import GPT
+from zerotrain.train import train
+
+from multirank import run_ranks
+from zero_harness import batches, make_config
+
+
+def _corpus(tmp_path) -> str:
+    import zerotrain.engine as eng_mod
+
+    p = tmp_path / "corpus.txt"
+    with open(eng_mod.__file__) as f:
+        p.write_text(f.read() * 3)
+    return str(p)
+
+
+def _train_cfg(tmp_path, run: str, steps: int, **extra):
+    d = {
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "data": {"path": _corpus(tmp_path), "micro_batch_size": 4},
+        "schedule": {"warmup_steps": 3},
+        "checkpoint": {"every": 4, "keep": 5},
+        "logging": {"run_dir": str(tmp_path / run), "log_every": 1, "eval_every": 0,
+                    "sample_tokens": 0, "progress": False, "plot": False},
+        "train": {"steps": steps, "threads": 1},
+    }
+    for k, v in extra.items():
+        d.setdefault(k, {}).update(v)
+    return build_config(d)
+
+
+def _train_losses(run_dir) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["type"] == "train"}
+
+
+def test_resume_is_bit_exact(tmp_path):
+    full = _train_cfg(tmp_path, "full", 10)
+    train(full)
+    part = _train_cfg(tmp_path, "part", 10)
+    # the interrupted run: same config, stopped after its step-4 checkpoint
+    train(part.model_copy(update={"train": part.train.model_copy(update={"steps": 4})}))
+    train(part, resume="latest")
+    a, b = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    for step in range(5, 11):
+        assert a[step] == b[step], f"step {step}: {a[step]!r} != {b[step]!r}"
+
+
+def _resume_ranks(tmp, stage):
+    full = _train_cfg(tmp, f"full{stage}", 8, zero={"stage": stage})
+    train(full)
+    part = _train_cfg(tmp, f"part{stage}", 8, zero={"stage": stage})
+    train(part.model_copy(update={"train": part.train.model_copy(update={"steps": 4})}))
+    train(part, resume="latest")
+    return _train_losses(tmp / f"full{stage}"), _train_losses(tmp / f"part{stage}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_is_bit_exact_sharded(tmp_path, stage):
+    a, b = run_ranks(_resume_ranks, 2, tmp_path, stage)[0]
+    assert all(a[s] == b[s] for s in range(5, 9)), (a, b)
+
+
+_KILLER = textwrap.dedent("""
+    import os, sys
+    import safetensors.torch as st
+    from zerotrain.checkpoint import io
+    from zerotrain.config import load_config
+    from zerotrain.train import train
+    real = io.save_file
+    calls = []
+    def dying_save(tensors, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 2:          # the second checkpoint: die half-way through writing it
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            os._exit(9)
+        return real(tensors, path, *a, **k)
+    io.save_file = dying_save
+    train(load_config(sys.argv[1]))
+""")
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    cfg = _train_cfg(tmp_path, "killed", 12)
+    f = tmp_path / "cfg.json"
+    f.write_text(json.dumps(cfg.to_dict()))
+    r = subprocess.run([sys.executable, "-c", _KILLER, str(f)], capture_output=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 9, r.stderr.decode()[-2000:]
+    root = tmp_path / "killed" / "checkpoints"
+    assert (root / "step_00000008.tmp").exists()  # the interrupted save
+    ckpt = resolve(root)
+    assert ckpt.name == "step_00000004"
+    eng = Engine(GPT(cfg.model), cfg)
+    meta = load_engine(eng, root)
+    assert meta["global_step"] == 4 and eng.global_step == 4
+
+
+def _train_engine(cfg, steps):
+    torch.manual_seed(0)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    from zerotrain.comm.dist import world
+
+    rank, _ = world()
+    b = cfg.data.micro_batch_size
+    for X, Y in batches(steps):
+        eng.backward(eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b]))
+        eng.step()
+    return eng
+
+
+def _save_sharded(path, stage, dtype):
+    cfg = make_config({"zero": {"stage": stage}, "precision": {"dtype": dtype}}, 2, 10)
+    eng = _train_engine(cfg, 5)
+    save_engine(eng, path)
+    from zero_harness import full_params
+
+    return full_params(eng)
+
+
+def _loss_after_resume(path, stage, world, steps):
+    cfg = make_config({"zero": {"stage": stage}}, world, 10)
+    torch.manual_seed(99)  # different init: everything must come from the checkpoint
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    load_engine(eng, path)
+    from zerotrain.comm.dist import world as w
+
+    rank, n = w()
+    b = cfg.data.micro_batch_size
+    losses = []
+    for i, (X, Y) in enumerate(batches(5 + steps)):
+        if i < 5:
+            continue
+        loss = eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b])
+        losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
+        eng.backward(loss)
+        eng.step()
+    return losses
+
+
+def test_reshard_across_stages_and_world_sizes(tmp_path):
+    ck = tmp_path / "ck"
+    params = run_ranks(_save_sharded, 2, ck, 2, "fp32")[0]
+    weights, states, meta = consolidate(ck)
+    assert meta["layout"]["world_size"] == 2
+    for k, v in params.items():
+        assert torch.equal(weights[k], v), k
+        assert set(states[k]) == {"exp_avg", "exp_avg_sq", "step"}
+        assert float(states[k]["step"]) == 5
+    # the same continuation from 1 rank / ZeRO-0, 1 rank / ZeRO-3, 3 ranks / ZeRO-1
+    ref = _loss_after_resume(ck, 0, 1, 3)
+    z3 = _loss_after_resume(ck, 3, 1, 3)
+    z1 = run_ranks(_loss_after_resume, 3, ck, 1, 3, 3)[0]
+    assert ref == pytest.approx(z3, rel=1e-5) and ref == pytest.approx(z1, rel=1e-5)
+
+
+def test_export_roundtrip(tmp_path):
+    ck = tmp_path / "ck"
+    run_ranks(_save_sharded, 2, ck, 3, "bf16")
+    out = export(ck, tmp_path / "model.safetensors")
+    cfg = make_config({}, 1, 10)
+    fresh = GPT(cfg.model)
+    fresh.load_state_dict(load_file(str(out)))  # strict: tied names included, no zerotrain
+    X, Y = next(iter(batches(1)))
+    weights, _, _ = consolidate(ck, optimizer=False)
+    assert weights["wte.weight"].dtype == torch.float32  # bf16 run: the fp32 master
+    with torch.no_grad():
+        want = fresh(X, Y).item()
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    load_engine(eng, ck)
+    with torch.no_grad():
+        got = eng(X, Y).item()
+    assert got == want
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        resolve(tmp_path / "empty")
+    ck = tmp_path / "ck"
+    cfg = make_config({}, 1, 10)
+    save_engine(_train_engine(cfg, 1), ck)
+    other = make_config({"model": {"n_layer": 3}}, 1, 10)
+    with pytest.raises(CheckpointError, match=r"model.n_layer: checkpoint 2, config 3"):
+        load_engine(Engine(GPT(other.model), other), ck)
+    (resolve(ck) / "rank00000.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_engine(Engine(GPT(cfg.model), cfg), ck)

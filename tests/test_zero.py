@@ -1,0 +1,112 @@
+"""ZeRO stages 0–3 and Offload on 1–4 ranks against one process on the same global batch.
+
+Also the audits: measured model-state bytes against memory.py's formulas, and measured
+bytes sent per step against the traffic model, for both collective algorithms.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from zerotrain.memory import model_state_bytes_from_buffers, traffic_per_step
+
+from multirank import run_ranks
+from zero_harness import rel_err, run_many, train_tiny
+
+STEPS = 20
+CASES = [
+    {"zero": {"stage": 0}},
+    {"zero": {"stage": 1}, "comm": {"algorithm": "ring"}},
+    {"zero": {"stage": 2}, "data": {"grad_accum_steps": 2}},
+    {"zero": {"stage": 3}},
+    {"zero": {"stage": 3, "prefetch": False, "overlap": False}, "comm": {"algorithm": "ring"}},
+    {"zero": {"stage": 2, "offload_optimizer": "cpu"}},
+    {"zero": {"stage": 3, "offload_optimizer": "cpu"}, "data": {"grad_accum_steps": 2}},
+]
+FP32_TOL = 1e-5
+
+
+@functools.cache
+def reference(accum: int) -> dict:
+    return train_tiny({"data": {"grad_accum_steps": accum}}, STEPS)
+
+
+@functools.cache
+def results(world: int) -> list[dict]:
+    if world == 1:
+        return [run_many(CASES, STEPS)]
+    return run_ranks(run_many, world, CASES, STEPS)
+
+
+def _accum(case: dict) -> int:
+    return case.get("data", {}).get("grad_accum_steps", 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stages_match_single_process(world):
+    for case, res in zip(CASES, results(world)[0]):
+        ref = reference(_accum(case))
+        err = rel_err(res["params"], ref["params"])
+        assert err < FP32_TOL, f"{case} at N={world}: relative error {err:.2e}"
+        # every rank holds identical parameters afterwards
+    if world > 1:
+        for case_i in range(len(CASES)):
+            p0 = results(world)[0][case_i]["params"]
+            for r in range(1, world):
+                pr = results(world)[r][case_i]["params"]
+                assert all(torch.equal(p0[k], pr[k]) for k in p0), f"rank {r} diverged"
+
+
+def test_reference_really_trains():
+    ref = reference(1)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.3
+    assert max(ref["norms"]) > 0.3  # clipping at 0.3 was active
+
+
+def _bytes_per_param(case: dict) -> dict:
+    # fp32 AdamW: params 4, grads 4, no separate master (offload keeps a host copy), m+v 8
+    return {"param_bytes": 4, "grad_bytes": 4, "master_bytes": 0, "optim_bytes": 8}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_memory_audit_matches_formulas(world):
+    for case, res in zip(CASES, results(world)[0]):
+        stage = case["zero"]["stage"]
+        offload = case["zero"].get("offload_optimizer") == "cpu"
+        est = model_state_bytes_from_buffers(res["buffer_numels"], world, stage,
+                                             offload=offload, pad_full=True,
+                                             **_bytes_per_param(case))
+        pad = est.padding_elems * 4
+        for place in ("device", "host"):
+            for cat, want in getattr(est, place).items():
+                got = res["memory"][place][cat]
+                # optimizer states cover real elements only, never the padding
+                slack = 2 * pad if cat == "optimizer" else pad
+                assert abs(got - want) <= slack, (
+                    f"{case} N={world} {place}.{cat}: measured {got}, formula {want}")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_traffic_matches_model(world):
+    for case, res in zip(CASES, results(world)[0]):
+        stage = case["zero"]["stage"]
+        accum = _accum(case)
+        model = traffic_per_step(res["buffer_numels"], world, stage, param_bytes=4,
+                                 grad_bytes=4)
+        want = model.sent_bytes
+        if stage >= 2 and accum > 1:  # gradients leave every micro-step, params once
+            grads = sum(c.sent_bytes for c in model.collectives if "grad" in c.what)
+            want += (accum - 1) * grads
+            if stage == 3:  # and ZeRO-3 gathers for every micro-step's forward+backward
+                params = sum(c.sent_bytes for c in model.collectives if "grad" not in c.what)
+                want += (accum - 1) * params
+        got = res["traffic"][-1]
+        psi = res["numel"]
+        assert got == want, f"{case} N={world}: sent {got}, model {want}"
+        # and the headline formula up to padding: 2(N-1)/N·Ψ (3 for ZeRO-3) elements × 4 B
+        factor = (3 if stage == 3 else 2) * (world - 1) / world * psi * 4
+        if accum == 1:
+            assert abs(got - factor) <= 3 * world * 4 * len(res["buffer_numels"])

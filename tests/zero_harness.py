@@ -1,0 +1,98 @@
+"""Shared harness for the distributed tests: train a tiny GPT the same way on 1 or N ranks.
+
+`train_tiny(overrides, steps)` runs on whatever process group is open (none = one
+process) and feeds every rank its slice of the same global batch, so any stage at any
+world size can be compared with a single process on the full batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerotrain.config import build_config, deep_merge
+from zerotrain.models.gpt import GPT
+
+GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4 ranks, times 2 micro-steps
+SEQ = 16
+
+# No biases: the key projection's bias gets an exactly-zero true gradient (softmax is
+# shift-invariant), so Adam would turn reduction-order rounding noise into full ±lr
+# steps and no two summation orders could ever agree.
+BASE = {
+    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": SEQ, "bias": False},
+    "optimizer": {"lr": 1e-2, "grad_clip": 0.3},
+    "schedule": {"warmup_steps": 3, "min_lr": 1e-3},
+    "zero": {"bucket_mb": 0.02},
+    "train": {"steps": 20, "device": "cpu"},
+}
+
+
+def make_config(overrides: dict, world: int, steps: int):
+    accum = overrides.get("data", {}).get("grad_accum_steps", 1)
+    data = {"micro_batch_size": GLOBAL_BATCH // world // accum}
+    cfg = deep_merge(BASE, {"data": data, "train": {"steps": steps}})
+    return build_config(deep_merge(cfg, overrides))
+
+
+def batches(steps: int):
+    """Global batches cycling over a small fixed pool, so a few steps visibly learn it."""
+    g = torch.Generator().manual_seed(1234)
+    pool = [(torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=g),
+             torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=g)) for _ in range(3)]
+    for i in range(steps):
+        yield pool[i % len(pool)]
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter in full, fp32 master if there is one (gathers under ZeRO-3)."""
+    s = engine.strategy
+    out = {}
+    for u in s.units:
+        if s.shards_params:
+            s._gather(u, async_op=False)
+        for slot in u.slots:
+            out[slot.name] = slot.param.detach().float().clone()
+        if s.shards_params:
+            s._free(u)
+    return out
+
+
+def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -> dict:
+    from zerotrain.comm.dist import world
+    from zerotrain.engine import Engine
+
+    rank, n = world()
+    cfg = make_config(overrides, n, steps)
+    torch.manual_seed(seed)
+    model = model_fn() if model_fn else GPT(cfg.model)
+    eng = Engine(model, cfg, torch.device("cpu"))
+    accum = cfg.data.grad_accum_steps
+    b = cfg.data.micro_batch_size
+    losses, norms, traffic = [], [], []
+    for X, Y in batches(steps):
+        for m in range(accum):
+            lo = (m * n + rank) * b
+            x, y = X[lo:lo + b], Y[lo:lo + b]
+            loss = eng(x, y) if model_fn is None else eng(input_ids=x, labels=y).loss
+            eng.backward(loss)
+            info = eng.step()
+        losses.append(loss.item())
+        norms.append(info.grad_norm)
+        traffic.append(eng.last_traffic_bytes[0])
+    mem = eng.strategy.memory_breakdown()
+    res = {"params": full_params(eng), "losses": losses, "norms": norms, "traffic": traffic,
+           "memory": mem, "buffer_numels": eng.strategy.buffer_numels(),
+           "numel": sum(p.numel() for p in eng.module.parameters()),
+           "skipped": eng.scaler.skipped}
+    eng.close()
+    return res
+
+
+def run_many(cases: list[dict], steps: int = 20) -> list[dict]:
+    """Several configurations in one set of spawned ranks (spawning is the slow part)."""
+    return [train_tiny(c, steps) for c in cases]
+
+
+def rel_err(a: dict, b: dict) -> float:
+    """Worst per-tensor ‖a−b‖ / ‖b‖."""
+    return max(float((a[k] - b[k]).norm() / (b[k].norm() + 1e-30)) for k in b)
