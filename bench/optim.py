@@ -1,6 +1,6 @@
 """AdamW step throughput on CPU: zerotrain vs torch.optim.AdamW (foreach and fused).
 
-Run: .venv/bin/python bench/optim.py [--sizes 10e6 100e6] [--repeats N]
+Run: .venv/bin/python bench/optim.py [--sizes 10e6 100e6] [--repeats N] [--threads N]
 Prints a Markdown table and writes bench/results/optim.json.
 
 What is measured: the wall time of one `optimizer.step()` (gradients already set),
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -88,6 +89,7 @@ def variants(n: int, flats: dict[str, torch.Tensor]) -> list[dict]:
         ("torch AdamW fused", "flat", lambda g: torch.optim.AdamW(g, **HYPER, fused=True)),
         ("zerotrain AdamW", "mix", lambda g: AdamW(g, **HYPER)),
         ("zerotrain AdamW", "flat", lambda g: AdamW(g, **HYPER)),
+        ("zerotrain AdamW compiled", "mix", lambda g: AdamW(g, **HYPER, compiled=True)),
         ("zerotrain AdamW compiled", "flat", lambda g: AdamW(g, **HYPER, compiled=True)),
     ]
     out = []
@@ -139,16 +141,23 @@ def bench_size(n: int, repeats: int, warmup: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6])
-    ap.add_argument("--repeats", type=int, default=0, help="default: 15 (≤10M), 7 above")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=0, help="default: 15 (≤10M), 5 above")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads "
+                    "(default: torch's); 1 gives steadier numbers on a shared machine")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "optim.json"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     rows = []
     for n in (int(s) for s in args.sizes):
-        rows += bench_size(n, args.repeats or (15 if n <= 10_000_000 else 7), args.warmup)
-    print(f"\nAdamW step on CPU ({platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}); "
-          f"GB/s counts {BYTES_PER_PARAM} B/param (read p,g,m,v + write p,m,v)\n")
+        rows += bench_size(n, args.repeats or (15 if n <= 10_000_000 else 5), args.warmup)
+    load = (load_before, os.getloadavg()[0])
+    print(f"\nAdamW step on CPU ({platform.machine()}, {os.cpu_count()} cores, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, load average "
+          f"{load[0]:.1f} before / {load[1]:.1f} after); GB/s counts {BYTES_PER_PARAM} B/param "
+          "(read p,g,m,v + write p,m,v)\n")
     print("| params | variant | layout | tensors | ms/step (median) | Mparams/s | GB/s "
           "| vs fastest torch |")
     print("|---:|---|---|---:|---:|---:|---:|---:|")
@@ -159,7 +168,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(),
-                machine=platform.machine(), bytes_per_param=BYTES_PER_PARAM,
+                cores=os.cpu_count(), load_average=load, machine=platform.machine(),
+                bytes_per_param=BYTES_PER_PARAM,
                 block_elements=functional.BLOCK_ELEMENTS, hyper=dict(HYPER, weight_decay=WD))
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     print(f"\nwrote {out}")

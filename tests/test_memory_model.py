@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from zerotrain.config import ModelConfig
+from zerotrain.estimate import main_estimate
 from zerotrain.memory import (
     activation_bytes,
     block_activation_bytes,
@@ -19,7 +20,6 @@ from zerotrain.memory import (
     gpt_largest_unit,
     gpt_param_count,
     head_activation_bytes,
-    main_estimate,
     model_state_bytes,
     model_state_bytes_from_buffers,
     precision_bytes,

@@ -191,7 +191,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "float": _delegate("zerotrain.numerics.explain", "main_float"),
     "formats": _delegate("zerotrain.numerics.explain", "main_formats"),
     "ring": _delegate("zerotrain.comm.ring_explain", "main_ring"),
-    "estimate": _delegate("zerotrain.memory", "main_estimate"),
+    "estimate": _delegate("zerotrain.estimate", "main_estimate"),
 }
 
 

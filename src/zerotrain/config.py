@@ -70,12 +70,19 @@ class OptimizerConfig(_Section):
         0.0, ge=0.0, lt=1.0, description="SGD/RMSProp momentum; Muon uses 0.95 if 0"
     )
     dampening: float = Field(0.0, ge=0.0, le=1.0)
-    nesterov: bool = False
+    nesterov: bool | None = Field(
+        None, description="SGD/Muon Nesterov momentum; null = the optimizer's default "
+        "(off for SGD, on for Muon)"
+    )
     alpha: float = Field(0.99, gt=0.0, lt=1.0, description="RMSProp smoothing")
     lr_decay: float = Field(0.0, ge=0.0, description="AdaGrad lr decay")
     ns_steps: int = Field(5, ge=1, description="Muon Newton-Schulz iterations")
     grad_clip: float | None = Field(1.0, description="clip by global norm; null/0 disables")
     decay_1d: bool = Field(False, description="apply weight decay to biases and norm gains too")
+    compile: bool = Field(
+        False, description="Adam/AdamW: run the update through torch.compile as one fused "
+        "pass (as fast as torch's fused kernel; costs seconds of compilation at start)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:
@@ -194,6 +201,9 @@ class Config(_Section):
                 f"schedule.warmup_steps + schedule.hold_steps ({s.warmup_steps + s.hold_steps}) "
                 f"exceed train.steps ({self.train.steps}); shorten warmup or train longer"
             )
+        if s.kind == "wsd" and s.hold_steps:
+            raise ValueError("schedule.hold_steps must be 0 for schedule.kind wsd (its stable "
+                             "phase is the hold); use wsd_decay_fraction to size the decay")
         if s.min_lr > self.optimizer.lr:
             raise ValueError(
                 f"schedule.min_lr ({s.min_lr}) is above the peak optimizer.lr ({self.optimizer.lr})"

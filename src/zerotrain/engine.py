@@ -42,11 +42,34 @@ class StepInfo:
     skipped_total: int
 
 
-def decay_group(cfg: Config):
-    """Weight decay for matrices (and embeddings); none for biases and norm gains."""
+# Optimizer groups. 0: matrices (decayed; Muon's orthogonalised update), 1: biases and
+# norm gains (not decayed), 2: embeddings and the output head (decayed; Muon leaves them
+# to its AdamW fallback, as its authors recommend).
+GROUP_OPTIONS = {0: {"decay": True}, 1: {"decay": False}, 2: {"decay": True, "use_muon": False}}
+
+
+def param_grouper(model: nn.Module, cfg: Config):
+    # embeddings, and an output head: a Linear child of the root that emits the vocabulary
+    edge = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    edge += [m for m in model.children() if isinstance(m, nn.Linear)
+             and m.out_features == cfg.model.vocab_size]
+    edge_ids = {id(p) for m in edge for p in m.parameters()}
+
     def group_of(name: str, p: nn.Parameter) -> int:
-        return 0 if p.ndim >= 2 or cfg.optimizer.decay_1d else 1
+        if p.ndim < 2 and not cfg.optimizer.decay_1d:
+            return 1
+        return 2 if id(p) in edge_ids else 0
     return group_of
+
+
+def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
+    out = {}
+    for g, opt in GROUP_OPTIONS.items():
+        h: dict[str, Any] = {"weight_decay": cfg.optimizer.weight_decay if opt["decay"] else 0.0}
+        if cfg.optimizer.name == "muon":
+            h["use_muon"] = opt.get("use_muon")  # None: Muon for 2-D, AdamW otherwise
+        out[g] = h
+    return out
 
 
 class Engine:
@@ -60,10 +83,10 @@ class Engine:
         model.to(device=self.device, dtype=self.policy.param_dtype)
         self.module = model
         self.strategy: Strategy = strategy_class(config.zero)(
-            model, self.policy, self.comm, config.zero, self.device, decay_group(config)
+            model, self.policy, self.comm, config.zero, self.device, param_grouper(model, config)
         )
-        ocfg = config.optimizer
-        self.optimizer = build_optimizer(ocfg, self.strategy.param_groups(ocfg.weight_decay))
+        groups = self.strategy.param_groups(group_hyperparameters(config))
+        self.optimizer = build_optimizer(config.optimizer, groups)
         self.strategy.optimizer = self.optimizer
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps

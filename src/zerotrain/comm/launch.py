@@ -14,8 +14,8 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run `python -m zerotrain <argv>` on `nproc` local ranks; non-zero if any rank fails."""
+def launch_local(nproc: int, argv: list[str], module: str = "zerotrain") -> int:
+    """Run `python -m <module> <argv>` on `nproc` local ranks; non-zero if any rank fails."""
     from torch.distributed import run as torchrun
 
     if nproc < 1:
@@ -25,17 +25,15 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     args = torchrun.get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-         "--module", "zerotrain", *argv]
+         "--module", module, *argv]
     )
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        failures = e.failures
-        first = min(failures)
-        f = failures[first]
-        msg = f.message if isinstance(f.message, str) else f.message.get("message", "")
-        print(f"zerotrain: rank {f.rank} (of {nproc}) failed with exit code {f.exitcode}"
-              + (f": {msg.strip().splitlines()[-1]}" if msg and msg.strip() else
-                 "; its error is printed above"), file=sys.stderr)
+        rank, f = e.get_first_failure()  # earliest: the root cause, not its victims
+        msg = f.message.get("message", "") if isinstance(f.message, dict) else ""
+        detail = msg.strip().splitlines()[-1] if msg.strip() else "its output is shown above"
+        print(f"zerotrain: rank {rank} of {nproc} failed (exit code {f.exitcode}): {detail}",
+              file=sys.stderr)
         return f.exitcode if isinstance(f.exitcode, int) and f.exitcode > 0 else 1
     return 0

@@ -63,13 +63,13 @@ def build_optimizer(
     """
     name, lr, wd = cfg.name, cfg.lr, cfg.weight_decay
     _class(name)  # a clear error for an unknown name
-    compiled = bool(getattr(cfg, "compile", False))  # future config field, off by default
+    compiled = cfg.compile
     if name in ("adam", "adamw"):
         return _class(name)(param_groups, lr=lr, betas=cfg.betas, eps=cfg.eps,
                             weight_decay=wd, compiled=compiled)
     if name == "sgd":
         return SGD(param_groups, lr=lr, momentum=cfg.momentum, dampening=cfg.dampening,
-                   weight_decay=wd, nesterov=cfg.nesterov)
+                   weight_decay=wd, nesterov=bool(cfg.nesterov))
     if name == "adagrad":
         return Adagrad(param_groups, lr=lr, lr_decay=cfg.lr_decay, weight_decay=wd,
                        eps=cfg.eps)
@@ -80,6 +80,7 @@ def build_optimizer(
         return Lion(param_groups, lr=lr, betas=cfg.betas, weight_decay=wd)
     if name == "muon":
         return Muon(param_groups, lr=lr, weight_decay=wd,
-                    momentum=cfg.momentum or MUON_DEFAULT_MOMENTUM, nesterov=cfg.nesterov,
+                    momentum=cfg.momentum or MUON_DEFAULT_MOMENTUM,
+                    nesterov=True if cfg.nesterov is None else cfg.nesterov,
                     ns_steps=cfg.ns_steps, adamw_betas=cfg.betas, adamw_eps=cfg.eps)
     raise AssertionError(f"optimizer '{name}' is registered but not mapped from the config")

@@ -18,6 +18,9 @@ How the work is cut (the speed comes from here, not from the arithmetic):
   element, like torch's `fused=True`. Lr- and step-dependent scalars enter as 0-d
   tensors multiplying tensors (never as `value=`/`alpha=` arguments, which the compiler
   would bake in and recompile for every new learning rate).
+Measured (bench/optim.py, 2-core Xeon, 1 thread): blocked eager AdamW takes ~2.5x the
+time of torch's fused kernel (DRAM traffic is gone, but 8 passes of arithmetic remain);
+compiled matches fused.
 
 Conventions follow torch.optim (weight decay as L2 for SGD/Adam/AdaGrad/RMSProp,
 decoupled θ ← θ − η·λ·θ for AdamW/Lion/Muon); see SPEC.md §1 for the formulas.

@@ -138,13 +138,12 @@ class Strategy:
         # Optimizer index order = group order (see param_groups); checkpoints rely on it.
         return sorted(out, key=lambda sv: sv[0].group)
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """Optimizer groups over the master views: 0 = decayed, 1 = not decayed."""
+    def param_groups(self, options: dict[int, dict]) -> list[dict]:
+        """Optimizer groups over the master views, with each group id's hyper-parameters."""
         groups: dict[int, list[Tensor]] = {}
         for seg, view in self.opt_segments:
             groups.setdefault(seg.group, []).append(view)
-        return [{"params": ps, "weight_decay": weight_decay if g == 0 else 0.0, "group_id": g}
-                for g, ps in sorted(groups.items())]
+        return [{"params": ps, **options[g], "group_id": g} for g, ps in sorted(groups.items())]
 
     def _write_master_into(self, u: FlatUnit, dst: Tensor) -> None:
         src = self.master[u.index]
