@@ -6,12 +6,13 @@ import copy
 
 import pytest
 import torch
-from multirank import run_ranks
-from zero_harness import batches, make_config, rel_err, train_tiny
 
 from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
 from zerotrain.optim.schedule import lr_from_config
+
+from multirank import run_ranks
+from zero_harness import batches, make_config, rel_err, train_tiny
 
 
 def test_engine_equals_plain_torch_loop():
