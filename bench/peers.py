@@ -98,6 +98,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also write a torch.profiler table per run (rank 0)")
     p.add_argument("--count-calls", action="store_true",
                    help="also count torch.distributed calls per step (Python level)")
+    p.add_argument("--report", metavar="JSON", default=None,
+                   help="run nothing: rebuild the table from a results JSON written earlier")
     a = p.parse_args(argv)
     quick = a.quick
     a.model_size = a.model_size or ("tiny" if quick else "small")
@@ -289,6 +291,9 @@ def ratios(rows: dict[str, dict]) -> list[dict[str, Any]]:
         if peers:
             ft = min(peers, key=lambda p: p["step_s"])
             fm = min(peers, key=lambda p: p["peak_rss_bytes"])
+            fr = min(peers, key=lambda p: min(p["round_medians_s"]))
+            entry.update(best_round_peer=fr["system"],
+                         best_round_ratio=min(r["round_medians_s"]) / min(fr["round_medians_s"]))
             entry.update(best_time_peer=ft["system"], time_ratio=r["step_s"] / ft["step_s"],
                          best_rss_peer=fm["system"],
                          rss_ratio=r["peak_rss_bytes"] / fm["peak_rss_bytes"],
@@ -348,18 +353,22 @@ def markdown(meta: dict, a: argparse.Namespace, rows: dict[str, dict], rat: list
             f"{_mb(r['peak_rss_bytes'])} | {_mb(r['peak_rss_bytes'] - r['base_rss_bytes'])} | "
             f"{sent} | {lo_s} | {r['final_loss']:.5f} | {delta} |")
     lines += ["", "Ratios: zerotrain / best peer of the same memory class and precision "
-              "(≤ 1 means zerotrain wins; time and memory best peers chosen separately).", "",
+              "(≤ 1 means zerotrain wins; time and memory best peers chosen separately). "
+              "Best-round ratio: fastest round median / the peers' fastest round median, "
+              "a check that is blind to rounds slowed down by other load.", "",
               "| zerotrain | class | prec | best peer (time) | step-time ratio "
-              "| best peer (RSS) | peak-RSS ratio | Δ-RSS ratio |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| best-round ratio | best peer (RSS) | peak-RSS ratio | Δ-RSS ratio |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for e in rat:
         if "time_ratio" not in e:
             lines.append(f"| {e['system']} | {e['memory_class']} | {e['precision']} | "
-                         f"no peer ran ({', '.join(e['peers'])}) | | | | |")
+                         f"no peer ran ({', '.join(e['peers'])}) | | | | | |")
             continue
         dr = "n/a" if e["rss_delta_ratio"] is None else f"{e['rss_delta_ratio']:.2f}"
         lines.append(f"| {e['system']} | {e['memory_class']} | {e['precision']} | "
-                     f"{e['best_time_peer']} | {e['time_ratio']:.2f} | {e['best_rss_peer']} | "
+                     f"{e['best_time_peer']} | {e['time_ratio']:.2f} | "
+                     f"{e['best_round_ratio']:.2f} ({e['best_round_peer']}) | "
+                     f"{e['best_rss_peer']} | "
                      f"{e['rss_ratio']:.3f} | {dr} |")
     if ref_loss is not None:
         lines += ["", f"Reference final loss (DDP fp32): {ref_loss:.6f}. Tolerances: fp32 "
@@ -374,8 +383,32 @@ def count_params(a: argparse.Namespace) -> int:
     return GPT(ModelConfig(**PRESETS[a.model_size]["model"])).num_params()
 
 
+def write_report(a: argparse.Namespace, meta: dict, runs: dict[str, list[dict]],
+                 out_dir: Path) -> None:
+    rows = {s: summarize(s, rs, a) for s, rs in runs.items()}
+    ref_loss = add_loss_checks(rows)
+    rat = ratios(rows)
+    text = markdown(meta, a, rows, rat, ref_loss)
+    print(text)
+    settings = {k: v for k, v in vars(a).items() if k not in ("system_list", "report")}
+    settings["systems"] = list(runs)
+    settings["model"] = PRESETS[a.model_size]["model"]
+    (out_dir / f"{a.name}.md").write_text(text)
+    (out_dir / f"{a.name}.json").write_text(json.dumps(
+        {"meta": meta, "settings": settings, "reference_final_loss": ref_loss,
+         "tolerance": TOL, "rows": list(rows.values()), "ratios": rat,
+         "runs": runs}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
+    if a.report:
+        old = json.loads(Path(a.report).read_text())
+        for k, v in old["settings"].items():
+            if k not in ("name", "out_dir", "systems", "model"):
+                setattr(a, k, v)
+        write_report(a, old["meta"], old["runs"], Path(a.out_dir))
+        return
     out_dir = Path(a.out_dir)
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -401,19 +434,7 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr, flush=True)
     meta["wall_s"] = time.perf_counter() - t0
     meta["load_avg_end"] = os.getloadavg()
-    rows = {s: summarize(s, rs, a) for s, rs in runs.items()}
-    ref_loss = add_loss_checks(rows)
-    rat = ratios(rows)
-    text = markdown(meta, a, rows, rat, ref_loss)
-    print(text)
-    settings = {k: v for k, v in vars(a).items() if k != "system_list"}
-    settings["systems"] = a.system_list
-    settings["model"] = PRESETS[a.model_size]["model"]
-    (out_dir / f"{a.name}.md").write_text(text)
-    (out_dir / f"{a.name}.json").write_text(json.dumps(
-        {"meta": meta, "settings": settings, "reference_final_loss": ref_loss,
-         "tolerance": TOL, "rows": list(rows.values()), "ratios": rat,
-         "runs": runs}, indent=1))
+    write_report(a, meta, runs, out_dir)
 
 
 if __name__ == "__main__":

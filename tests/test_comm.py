@@ -220,3 +220,23 @@ def test_unknown_algorithm_and_bad_sizes():
         comm.reduce_scatter(torch.empty(2), torch.empty(3))
     with pytest.raises(ValueError, match="all_gather output"):
         comm.all_gather(torch.empty(3), torch.empty(2))
+
+
+def _auto_choice() -> dict:
+    """comm.algorithm auto on gloo: native below ring_min_bytes, the ring from there on."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    comm = Comm("auto", ring_min_bytes=4 * 1000)
+    small, big = _data(10 * n, r, 30), _data(1000 * n, r, 31)
+    want_small, want_big = _ref_all_reduce(small), _ref_all_reduce(big)
+    comm.all_reduce(small)
+    comm.all_reduce(big, purpose="params")
+    snap = comm.counter.snapshot()
+    comm.close()
+    return {"ok": [torch.equal(small, want_small), torch.equal(big, want_big)], "snap": snap}
+
+
+def test_auto_picks_ring_for_large_buffers_on_gloo():
+    for res in run_ranks(_auto_choice, 2):
+        assert res["ok"] == [True, True]
+        assert res["snap"]["grads"]["all_reduce"]["how"] == "computed"  # small: native
+        assert res["snap"]["params"]["all_reduce"]["how"] == "observed"  # big: ring

@@ -151,7 +151,11 @@ class ZeroConfig(_Section):
 
 
 class CommConfig(_Section):
-    algorithm: Literal["native", "ring"] = "native"
+    algorithm: Literal["native", "ring", "auto"] = Field(
+        "auto", description="native: torch.distributed's collectives; ring: zerotrain's ring "
+        "over isend/irecv; auto: ring for buffers >= ring_min_mb on gloo, else native"
+    )
+    ring_min_mb: float = Field(2.0, gt=0.0, description="auto: smallest buffer for the ring")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: int = Field(600, ge=10)
 

@@ -76,7 +76,8 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, device: torch.device | None = None):
         self.config = config
         self.policy = PrecisionPolicy.from_config(config.precision)
-        self.comm = Comm(config.comm.algorithm)
+        self.comm = Comm(config.comm.algorithm,
+                         ring_min_bytes=int(config.comm.ring_min_mb * 2**20))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = device or pick_device(config.train.device, local_rank)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size

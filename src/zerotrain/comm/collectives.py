@@ -2,7 +2,9 @@
 
 Strategies call `Comm.all_reduce / reduce_scatter / all_gather`; this is where the
 algorithm is chosen (`native`: torch.distributed's own collective, `ring`: SPEC §5
-written over isend/irecv in `ring.py`) and where every byte is counted.
+written over isend/irecv in `ring.py`, `auto`: the ring for large buffers on gloo, whose
+own reduce-scatter is slow and sends the whole buffer, native otherwise) and where every
+byte is counted.
 
 Counting: for `ring` we record the bytes actually handed to isend/irecv (observed).
 For `native` the backend's internals are invisible, so we record the payload times the
@@ -23,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ALGORITHMS = ("native", "ring")
+ALGORITHMS = ("native", "ring", "auto")
+RING_MIN_BYTES = 2 << 20  # auto: below this the comm-thread hand-off costs more than it saves
 
 
 @dataclass
@@ -119,7 +122,8 @@ class _CommThread:
 class Comm:
     """Collectives over one process group, with an algorithm switch and byte counters."""
 
-    def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None):
+    def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None,
+                 ring_min_bytes: int = RING_MIN_BYTES):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
@@ -130,7 +134,11 @@ class Comm:
         self.counter = TrafficCounter()
         self._ring_group = None
         self._thread: _CommThread | None = None
-        if self.active and algorithm == "ring" and self.world_size > 1:
+        self.ring_min_bytes = ring_min_bytes
+        gloo = self.active and dist.get_backend(group) == "gloo"
+        self._ring_ok = (self.active and self.world_size > 1
+                         and (algorithm == "ring" or (algorithm == "auto" and gloo)))
+        if self._ring_ok:
             ranks = dist.get_process_group_ranks(group) if group else list(range(self.world_size))
             self._ring_group = dist.new_group(ranks)
             self._thread = _CommThread()
@@ -148,6 +156,9 @@ class Comm:
             h.wait()
         return h
 
+    def _use_ring(self, nbytes: int) -> bool:
+        return self._ring_ok and (self.algorithm == "ring" or nbytes >= self.ring_min_bytes)
+
     def _native_factor(self) -> float:
         return (self.world_size - 1) / self.world_size
 
@@ -157,7 +168,7 @@ class Comm:
         """In-place SUM across ranks."""
         if self.world_size == 1:
             return Handle()
-        if self.algorithm == "ring" and purpose != "control":
+        if purpose != "control" and self._use_ring(tensor.numel() * tensor.element_size()):
             from zerotrain.comm.ring import ring_all_reduce
 
             return self._ring(lambda: ring_all_reduce(tensor, self._ring_group),
@@ -179,7 +190,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        if self.algorithm == "ring":
+        if self._use_ring(input.numel() * input.element_size()):
             from zerotrain.comm.ring import ring_reduce_scatter
 
             return self._ring(lambda: ring_reduce_scatter(output, input, self._ring_group),
@@ -200,7 +211,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        if self.algorithm == "ring":
+        if self._use_ring(output.numel() * output.element_size()):
             from zerotrain.comm.ring import ring_all_gather
 
             return self._ring(lambda: ring_all_gather(output, input, self._ring_group),

@@ -178,7 +178,8 @@ class Strategy:
         dst = u.view_of(self.grad_target(u), slot)
         if g is not None and g.data_ptr() != dst.data_ptr():
             dst.add_(g.view(slot.shape))
-            slot.param.grad = None if self.shards_grads or dst.dtype != g.dtype else dst
+            # from now on autograd accumulates in place into the buffer (dtypes allowing)
+            slot.param.grad = dst if dst.dtype == g.dtype else None
         self._ready[u.index].add(i)
         if (self._communicate and self.cfg.overlap and not self._launched[u.index]
                 and len(self._ready[u.index]) == len(u.slots)):

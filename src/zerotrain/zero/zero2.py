@@ -27,13 +27,31 @@ class ZeRO2(ZeRO1):
                            for u in self.units]
         self._bucket: list[Tensor | None] = [None] * len(self.units)
         self._shard_dirty = [False] * len(self.units)
+        self._pool: dict[int, list[Tensor]] = {}  # released buckets, by size
 
     def grad_target(self, u: FlatUnit) -> Tensor:
+        """The unit's bucket, taken when its first gradient arrives. The other parameters'
+        .grad become views of it, so autograd accumulates their gradients in place."""
         b = self._bucket[u.index]
         if b is None:
-            b = torch.zeros(u.padded_numel, dtype=self.policy.reduce_dtype, device=self.device)
+            free = self._pool.get(u.padded_numel)
+            b = free.pop() if free else torch.empty(
+                u.padded_numel, dtype=self.policy.reduce_dtype, device=self.device)
+            b.zero_()
             self._bucket[u.index] = b
+            if b.dtype == self.policy.param_dtype:
+                for i, s in enumerate(u.slots):
+                    if i not in self._ready[u.index] and s.param.grad is None:
+                        s.param.grad = u.view_of(b, s)
         return b
+
+    def _release(self, u: FlatUnit) -> None:
+        for s in u.slots:
+            s.param.grad = None
+        b, self._bucket[u.index] = self._bucket[u.index], None
+        free = self._pool.setdefault(u.padded_numel, [])
+        if b is not None and len(free) <= self.max_in_flight:  # reused: no fresh pages
+            free.append(b)
 
     def launch(self, u: FlatUnit) -> None:
         bucket = self.grad_target(u)
@@ -48,7 +66,7 @@ class ZeRO2(ZeRO1):
         def done() -> None:
             if not direct:
                 shard.add_(out.to(shard.device))
-            self._bucket[u.index] = None
+            self._release(u)
 
         self.enqueue(self.comm.reduce_scatter(out, bucket, async_op=True), done)
 
