@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/zerotrain train --config configs/default.yaml
+	$(BIN)/zerotrain train --config configs/default.yaml --nproc 2
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench

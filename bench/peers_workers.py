@@ -39,6 +39,7 @@ from zerotrain.models.gpt import GPT
 ZT_SYSTEMS = [
     "zt-0", "zt-1", "zt-2", "zt-3", "zt-2-off", "zt-3-off",
     "zt-0-ring", "zt-1-ring", "zt-2-ring", "zt-3-ring", "zt-2-off-ring", "zt-3-off-ring",
+    "zt-0-auto", "zt-1-auto", "zt-2-auto", "zt-3-auto", "zt-2-off-auto", "zt-3-off-auto",
     "zt-2-bf16", "zt-3-bf16", "zt-3-off-bf16",
 ]
 TORCH_SYSTEMS = [
@@ -61,7 +62,7 @@ def describe(system: str) -> dict[str, Any]:
         stage = int(parts[1])
         off = "off" in parts
         mem = "offload" if off else {0: "stage0/1", 1: "stage0/1"}.get(stage, f"stage{stage}")
-        algo = "ring" if "ring" in parts else "native"
+        algo = next((a for a in ("ring", "auto") if a in parts), "native")
         label = f"zerotrain ZeRO-{stage}" if stage else "zerotrain DDP (stage 0)"
         if off:
             label = f"zerotrain ZeRO-{stage}-Offload"
@@ -215,7 +216,7 @@ def zerotrain_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
     def evaluate(x: Tensor, y: Tensor) -> Tensor:
         return eng(x, y).detach()
 
-    how = "observed" if d["algorithm"] == "ring" else "computed"
+    how = {"ring": "observed", "native": "computed"}.get(d["algorithm"], "observed+computed")
     z = cfg.zero
     notes = {"bucket_mb": z.bucket_mb, "overlap": z.overlap, "prefetch": z.prefetch,
              "strategy": eng.strategy.name, "units": len(eng.strategy.units)}

@@ -23,6 +23,7 @@ BASE = {
     "optimizer": {"lr": 1e-2, "grad_clip": 0.3},
     "schedule": {"warmup_steps": 3, "min_lr": 1e-3},
     "zero": {"bucket_mb": 0.02},
+    "comm": {"algorithm": "native"},
     "train": {"steps": 20, "device": "cpu"},
 }
 
@@ -70,13 +71,16 @@ def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -
     b = cfg.data.micro_batch_size
     losses, norms, traffic = [], [], []
     for X, Y in batches(steps):
+        total = 0.0
         for m in range(accum):
             lo = (m * n + rank) * b
             x, y = X[lo:lo + b], Y[lo:lo + b]
             loss = eng(x, y) if model_fn is None else eng(input_ids=x, labels=y).loss
             eng.backward(loss)
             info = eng.step()
-        losses.append(loss.item())
+            total += loss.item()
+        # the global batch's mean loss (a control reduction, not counted as traffic)
+        losses.append(float(eng.comm.all_reduce_scalars([total / accum])[0]) / n)
         norms.append(info.grad_norm)
         traffic.append(eng.last_traffic_bytes[0])
     mem = eng.strategy.memory_breakdown()

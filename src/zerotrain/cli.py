@@ -188,8 +188,8 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "prepare": cmd_prepare,
     "config": cmd_config,
     "schedule": _delegate("zerotrain.optim.schedule", "main_schedule"),
-    "float": _delegate("zerotrain.numerics.explain", "main_float"),
-    "formats": _delegate("zerotrain.numerics.explain", "main_formats"),
+    "float": _delegate("zerotrain.numerics.float_cli", "main_float"),
+    "formats": _delegate("zerotrain.numerics.float_cli", "main_formats"),
     "ring": _delegate("zerotrain.comm.ring_explain", "main_ring"),
     "estimate": _delegate("zerotrain.estimate", "main_estimate"),
 }
