@@ -223,20 +223,25 @@ def test_unknown_algorithm_and_bad_sizes():
 
 
 def _auto_choice() -> dict:
-    """comm.algorithm auto on gloo: native below ring_min_bytes, the ring from there on."""
+    """comm.algorithm auto on gloo: the ring for large reduce-scatters/all-gathers only."""
     r, n = dist.get_rank(), dist.get_world_size()
     comm = Comm("auto", ring_min_bytes=4 * 1000)
     small, big = _data(10 * n, r, 30), _data(1000 * n, r, 31)
-    want_small, want_big = _ref_all_reduce(small), _ref_all_reduce(big)
-    comm.all_reduce(small)
-    comm.all_reduce(big, purpose="params")
+    out_small, out_big = torch.empty(10), torch.empty(1000)
+    comm.reduce_scatter(out_small, small)
+    comm.reduce_scatter(out_big, big, purpose="params")
+    ar = big.clone()
+    comm.all_reduce(ar, purpose="other")
     snap = comm.counter.snapshot()
     comm.close()
-    return {"ok": [torch.equal(small, want_small), torch.equal(big, want_big)], "snap": snap}
+    ok = [torch.equal(out_small, _ref_rs(small, 10)), torch.equal(out_big, _ref_rs(big, 1000)),
+          torch.equal(ar, _ref_all_reduce(big))]
+    return {"ok": ok, "snap": snap}
 
 
 def test_auto_picks_ring_for_large_buffers_on_gloo():
     for res in run_ranks(_auto_choice, 2):
-        assert res["ok"] == [True, True]
-        assert res["snap"]["grads"]["all_reduce"]["how"] == "computed"  # small: native
-        assert res["snap"]["params"]["all_reduce"]["how"] == "observed"  # big: ring
+        assert res["ok"] == [True, True, True]
+        assert res["snap"]["grads"]["reduce_scatter"]["how"] == "computed"  # small: native
+        assert res["snap"]["params"]["reduce_scatter"]["how"] == "observed"  # big: ring
+        assert res["snap"]["other"]["all_reduce"]["how"] == "computed"  # gloo's all-reduce

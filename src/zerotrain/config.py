@@ -153,7 +153,8 @@ class ZeroConfig(_Section):
 class CommConfig(_Section):
     algorithm: Literal["native", "ring", "auto"] = Field(
         "auto", description="native: torch.distributed's collectives; ring: zerotrain's ring "
-        "over isend/irecv; auto: ring for buffers >= ring_min_mb on gloo, else native"
+        "over isend/irecv; auto: the ring for reduce-scatters and all-gathers of buffers >= "
+        "ring_min_mb on gloo, native otherwise"
     )
     ring_min_mb: float = Field(2.0, gt=0.0, description="auto: smallest buffer for the ring")
     backend: Literal["auto", "gloo", "nccl"] = "auto"

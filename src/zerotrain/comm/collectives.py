@@ -2,9 +2,10 @@
 
 Strategies call `Comm.all_reduce / reduce_scatter / all_gather`; this is where the
 algorithm is chosen (`native`: torch.distributed's own collective, `ring`: SPEC §5
-written over isend/irecv in `ring.py`, `auto`: the ring for large buffers on gloo, whose
-own reduce-scatter is slow and sends the whole buffer, native otherwise) and where every
-byte is counted.
+written over isend/irecv in `ring.py`, `auto`: the ring for large reduce-scatters and
+all-gathers on gloo — whose own reduce-scatter is slow and sends the whole buffer — and
+native otherwise, gloo's all-reduce being faster than the ring's two passes) and where
+every byte is counted.
 
 Counting: for `ring` we record the bytes actually handed to isend/irecv (observed).
 For `native` the backend's internals are invisible, so we record the payload times the
@@ -156,8 +157,10 @@ class Comm:
             h.wait()
         return h
 
-    def _use_ring(self, nbytes: int) -> bool:
-        return self._ring_ok and (self.algorithm == "ring" or nbytes >= self.ring_min_bytes)
+    def _use_ring(self, nbytes: int, op: str) -> bool:
+        if not self._ring_ok:
+            return False
+        return self.algorithm == "ring" or (op != "all_reduce" and nbytes >= self.ring_min_bytes)
 
     def _native_factor(self) -> float:
         return (self.world_size - 1) / self.world_size
@@ -168,12 +171,12 @@ class Comm:
         """In-place SUM across ranks."""
         if self.world_size == 1:
             return Handle()
-        if purpose != "control" and self._use_ring(tensor.numel() * tensor.element_size()):
+        nbytes = tensor.numel() * tensor.element_size()
+        if purpose != "control" and self._use_ring(nbytes, "all_reduce"):
             from zerotrain.comm.ring import ring_all_reduce
 
             return self._ring(lambda: ring_all_reduce(tensor, self._ring_group),
                               "all_reduce", purpose, async_op)
-        nbytes = tensor.numel() * tensor.element_size()
         moved = 2 * self._native_factor() * nbytes
         self.counter.add("all_reduce", purpose, moved, moved, observed=False)
         return Handle(dist.all_reduce(tensor, group=self.group, async_op=async_op))
@@ -190,7 +193,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        if self._use_ring(input.numel() * input.element_size()):
+        if self._use_ring(input.numel() * input.element_size(), "reduce_scatter"):
             from zerotrain.comm.ring import ring_reduce_scatter
 
             return self._ring(lambda: ring_reduce_scatter(output, input, self._ring_group),
@@ -211,7 +214,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        if self._use_ring(output.numel() * output.element_size()):
+        if self._use_ring(output.numel() * output.element_size(), "all_gather"):
             from zerotrain.comm.ring import ring_all_gather
 
             return self._ring(lambda: ring_all_gather(output, input, self._ring_group),
