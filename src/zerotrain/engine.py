@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -170,10 +170,6 @@ class Engine:
 
     def close(self) -> None:
         self.strategy.close()
-
-    @property
-    def step_info_fields(self) -> list[str]:
-        return list(asdict(StepInfo(0, 0, 0, False, 1, 0)))
 
 
 def initialize(model: nn.Module, config: Config | dict | None = None,

@@ -118,6 +118,7 @@ class _CommThread:
 
     def close(self) -> None:
         self._q.put(None)
+        self._t.join(timeout=30)
 
 
 class Comm:
@@ -241,6 +242,9 @@ class Comm:
         if self._thread is not None:
             self._thread.close()
             self._thread = None
+        if self._ring_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._ring_group)
+            self._ring_group = None
 
 
 def _reduce_scatter(out: Tensor, inp: Tensor, group, async_op: bool):

@@ -83,6 +83,7 @@ class ZeRO3(ZeRO2):
         self._bw_gathered = [False] * len(self.units)
         root_is_model = bool(self._unit_modules) and self._unit_modules[0] is self.model
         self._root = 0 if root_is_model else None
+        self._blocks = [u for u in self.units if u.index != self._root]  # execution order
         for u, m in zip(self.units, self._unit_modules):
             m.register_forward_pre_hook(partial(self._pre_forward, u))
             m.register_forward_hook(partial(self._post_forward, u))
@@ -116,12 +117,11 @@ class ZeRO3(ZeRO2):
 
     def _neighbour(self, u: FlatUnit, forward: bool) -> FlatUnit | None:
         """Execution order: root first, then blocks forward (or last-to-first backward)."""
-        if not self.cfg.prefetch:
+        blocks = self._blocks
+        if not self.cfg.prefetch or not blocks:
             return None
-        blocks = [x for x in self.units if x.index != self._root]
         if u.index == self._root:
-            nxt = blocks[0] if forward else blocks[-1] if blocks else None
-            return nxt
+            return blocks[0] if forward else blocks[-1]
         i = blocks.index(u) + (1 if forward else -1)
         return blocks[i] if 0 <= i < len(blocks) else None
 
