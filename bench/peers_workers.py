@@ -225,6 +225,23 @@ def zerotrain_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
 
 
 # ---------------------------------------------------------------------------- PyTorch
+def torch_job(train_model: nn.Module, model: nn.Module, opt: torch.optim.Optimizer,
+              notes: dict[str, Any]) -> Job:
+    """A plain PyTorch loop: forward through the wrapper, backward, step, zero."""
+
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        loss = train_model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def evaluate(x: Tensor, y: Tensor) -> Tensor:
+        return model(x, y).detach()
+
+    return Job(step, evaluate, notes=notes)
+
+
 def ddp_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -239,17 +256,7 @@ def ddp_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
     else:
         opt = torch.optim.AdamW(decay_groups(params, a.weight_decay), **adamw_kwargs(a))
 
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        loss = ddp(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def evaluate(x: Tensor, y: Tensor) -> Tensor:
-        return model(x, y).detach()
-
-    return Job(step, evaluate, notes={"adamw": a.peer_adamw})
+    return torch_job(ddp, model, opt, {"adamw": a.peer_adamw})
 
 
 def fsdp2_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
@@ -270,17 +277,7 @@ def fsdp2_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
     opt = torch.optim.AdamW(decay_groups(list(model.parameters()), a.weight_decay),
                             **adamw_kwargs(a))
 
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def evaluate(x: Tensor, y: Tensor) -> Tensor:
-        return model(x, y).detach()
-
-    return Job(step, evaluate, notes={"adamw": a.peer_adamw, "reshard": reshard})
+    return torch_job(model, model, opt, {"adamw": a.peer_adamw, "reshard": reshard})
 
 
 # ---------------------------------------------------------------------------- DeepSpeed

@@ -184,8 +184,11 @@ def consolidate(path: str | Path, optimizer: bool = True
     full: list[Tensor | None] = [None] * len(units)
     full_states: list[dict[str, Tensor]] = [{} for _ in units]
     scalar_states: list[list[tuple[int, int, str, Tensor]]] = [[] for _ in units]
+    buffers: dict[str, Tensor] = {}  # non-parameter state, saved by rank 0 only
     for r in range(layout["world_size"]):
         tensors, rmeta = read_rank(ckpt, r)
+        buffers.update({k.removeprefix("buffer."): v for k, v in tensors.items()
+                        if k.startswith("buffer.")})
         for ui, (lo, hi) in enumerate(rmeta["opt_ranges"]):
             shard = tensors[f"master.{ui}"]
             if full[ui] is None:
@@ -216,14 +219,8 @@ def consolidate(path: str | Path, optimizer: bool = True
                     st[sname] = v
             if st:
                 states[name] = st
-    for key, v in _buffers(ckpt).items():
-        weights[key] = v
+    weights.update(buffers)
     return weights, states, meta
-
-
-def _buffers(ckpt: Path) -> dict[str, Tensor]:
-    tensors, _ = read_rank(ckpt, 0)
-    return {k.removeprefix("buffer."): v for k, v in tensors.items() if k.startswith("buffer.")}
 
 
 def full_state_dict(path: str | Path, dtype: torch.dtype | None = torch.float32

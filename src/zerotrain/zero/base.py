@@ -113,12 +113,17 @@ class Strategy:
 
     def make_master(self, u: FlatUnit) -> Tensor:
         lo, hi = self.opt_range(u)
-        own = u.flat[lo:hi]
+        return self.master_for(u.flat[lo:hi])
+
+    def master_for(self, own: Tensor) -> Tensor:
+        """The optimizer's copy of the weights in `own`: a separate FP32 (or host) tensor
+        in mixed precision or Offload; otherwise `own` itself — the parameters are their
+        own master (fp32, bf16-pure)."""
         if self.policy.has_master or self.offload:
             master = self.alloc_host(own.numel(), self.policy.master_dtype or own.dtype)
             master.copy_(own)
             return master
-        return own  # fp32 / bf16-pure: the parameters are their own master
+        return own
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> Tensor:
         """Zeros on the host side of the split (pinned when it is really a CPU-GPU split)."""

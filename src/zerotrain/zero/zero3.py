@@ -71,11 +71,7 @@ class ZeRO3(ZeRO2):
         shard = u.flat[lo:hi] if persistent else u.flat[lo:hi].clone()
         self.shard_param.append(shard)
         self._persistent.append(persistent)
-        if self.policy.has_master or self.offload:
-            master = self.alloc_host(shard.numel(), self.policy.master_dtype or shard.dtype)
-            master.copy_(shard)
-            return master
-        return shard
+        return self.master_for(shard)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -167,9 +163,7 @@ class ZeRO3(ZeRO2):
 
     def publish(self, u: FlatUnit) -> None:
         shard = self.shard_param[u.index]
-        src = self.master[u.index]
-        if src.data_ptr() != shard.data_ptr():
-            shard.copy_(src, non_blocking=True)
+        self._write_master_into(u, shard)
         if self._persistent[u.index]:
             self.enqueue(self.comm.all_gather(u.flat, shard, async_op=True))
 
