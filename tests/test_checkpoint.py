@@ -26,9 +26,14 @@ from zero_harness import batches, make_config
 def _corpus(tmp_path) -> str:
     import zerotrain.engine as eng_mod
 
+    # Ranks of one test share tmp_path and call this concurrently: write a private file and
+    # rename it into place, so no rank ever reads a half-written (or truncated) corpus.
     p = tmp_path / "corpus.txt"
     with open(eng_mod.__file__) as f:
-        p.write_text(f.read() * 3)
+        text = f.read() * 3
+    tmp = tmp_path / f".corpus.{os.getpid()}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, p)
     return str(p)
 
 
