@@ -44,6 +44,11 @@ def test_engine_equals_plain_torch_loop():
         opt.zero_grad()
         assert info.grad_norm == pytest.approx(float(norm), rel=1e-5)
         assert info.lr == opt.param_groups[0]["lr"]
+    # stage 0 with an elementwise rule: one flat run per (bucket, group), not per tensor
+    runs = {(seg.unit, seg.group) for seg, _ in eng.strategy.opt_segments}
+    n_opt = sum(len(g["params"]) for g in eng.optimizer.param_groups)
+    assert n_opt == len(runs) < len(list(model.parameters()))
+    assert all(p.ndim == 1 for g in eng.optimizer.param_groups for p in g["params"])
     ours = dict(eng.module.named_parameters())
     err = rel_err({k: v.detach() for k, v in ours.items()},
                   {k: v.detach() for k, v in ref.named_parameters()})

@@ -27,7 +27,7 @@ from zerotrain.comm.dist import init_distributed, launched_by_torchrun, pick_dev
 from zerotrain.config import Config, build_config
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.numerics.scaler import LossScaler
-from zerotrain.optim import build_optimizer
+from zerotrain.optim import build_optimizer, is_elementwise
 from zerotrain.optim.schedule import lr_from_config
 from zerotrain.zero import Strategy, strategy_class
 
@@ -84,7 +84,8 @@ class Engine:
         model.to(device=self.device, dtype=self.policy.param_dtype)
         self.module = model
         self.strategy: Strategy = strategy_class(config.zero)(
-            model, self.policy, self.comm, config.zero, self.device, param_grouper(model, config)
+            model, self.policy, self.comm, config.zero, self.device, param_grouper(model, config),
+            keep_shapes=not is_elementwise(config.optimizer.name),
         )
         groups = self.strategy.param_groups(group_hyperparameters(config))
         self.optimizer = build_optimizer(config.optimizer, groups)

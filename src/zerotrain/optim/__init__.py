@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPTIMIZERS", "SGD", "Adagrad", "Adam", "AdamW", "Lion", "Muon", "RMSprop",
-    "WarmupDecayLR", "build_optimizer", "functional", "lr_at", "lr_from_config",
+    "WarmupDecayLR", "build_optimizer", "functional", "is_elementwise", "lr_at",
+    "lr_from_config",
     "state_bytes_per_param",
 ]
 
@@ -41,6 +42,11 @@ def _class(name: str) -> Any:
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer '{name}'; choose one of {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[name]
+
+
+def is_elementwise(name: str) -> bool:
+    """Whether the rule may run on flat runs of parameters (all but Muon)."""
+    return bool(_class(name).elementwise)
 
 
 def state_bytes_per_param(name: str, momentum: float = 0.0) -> int:

@@ -120,11 +120,14 @@ def _run(
             if fn is None:
                 fn = _COMPILED[math_fn] = torch.compile(math_fn, dynamic=True, fullgraph=True)
             done: set[int] = set()
+            boxed: dict[torch.device, list[Tensor]] = {}  # the scalars, once per device
             try:
                 for i in big:
                     dev = lists[0][i].device
-                    boxed = [torch.tensor(s, dtype=torch.float64, device=dev) for s in scalars]
-                    fn(*([lst[i]] for lst in lists), *boxed, **consts)
+                    if dev not in boxed:
+                        boxed[dev] = [torch.tensor(s, dtype=torch.float64, device=dev)
+                                      for s in scalars]
+                    fn(*([lst[i]] for lst in lists), *boxed[dev], **consts)
                     done.add(i)
             except Exception as e:  # no C++ compiler / triton: stay correct, just slower
                 _COMPILE_BROKEN = True

@@ -38,6 +38,10 @@ class _Base(torch.optim.Optimizer):
 
     #: torch.optim group flags we do not implement; a checkpoint asking for them is refused.
     _REFUSED = ("amsgrad", "maximize", "differentiable")
+    #: True when the rule treats every element alone, so a flat run of many parameters
+    #: can stand in for them (ZeRO shards, stage 0's per-group views). Muon is not: it
+    #: orthogonalises whole matrices and needs their real shapes.
+    elementwise = True
 
     @classmethod
     def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
@@ -309,6 +313,8 @@ class Muon(_Base):
     functional.muon_lr). Muon state is torch.optim.Muon's `momentum_buffer`; the AdamW
     tensors keep `step`, `exp_avg`, `exp_avg_sq`.
     """
+
+    elementwise = False
 
     def __init__(self, params: Params, lr: float = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True,

@@ -45,8 +45,12 @@ class Strategy:
     max_in_flight = 2
 
     def __init__(self, model: nn.Module, policy: PrecisionPolicy, comm: Comm, cfg: ZeroConfig,
-                 device: torch.device, group_of: Callable[[str, nn.Parameter], int]):
+                 device: torch.device, group_of: Callable[[str, nn.Parameter], int],
+                 keep_shapes: bool = False):
+        """`keep_shapes`: hand the optimizer one tensor per parameter with its real shape
+        (Muon needs matrices; stage 0 only) instead of one flat run per group."""
         self.model, self.policy, self.comm, self.cfg = model, policy, comm, cfg
+        self.keep_shapes = keep_shapes
         self.device = device
         self.host = torch.device("cpu") if self.offload else device
         self.rank, self.world = comm.rank, comm.world_size
@@ -131,11 +135,12 @@ class Strategy:
         return torch.zeros(numel, dtype=dtype, device=self.host, pin_memory=pin)
 
     def _optimizer_views(self) -> list[tuple[Segment, Tensor]]:
+        # One flat run per (unit, group) unless shapes are asked for: an elementwise rule
+        # then makes a few long calls instead of one short call per parameter.
         out = []
-        per_param = not self.shards_optimizer  # stage 0 keeps real shapes (Muon needs them)
         for u in self.units:
             lo, hi = self.opt_range(u)
-            for seg in u.segments(lo, hi, per_param=per_param):
+            for seg in u.segments(lo, hi, per_param=self.keep_shapes):
                 view = self.master[u.index][seg.start - lo:seg.end - lo]
                 if seg.param is not None:
                     view = view.view(seg.param.shape)
