@@ -36,13 +36,9 @@ ZT_TIMED = ("finish_backward", "grad_norm_sq", "attach_grads", "after_step", "ze
 
 def _status() -> dict[str, float]:
     """VmRSS and VmHWM of this process in MiB."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(rest.split()[0]) / 1024
-    return out
+    from peers_workers import proc_status  # bench/ is sys.path[0] for a script run here
+
+    return {k: v / 2**20 for k, v in proc_status().items()}
 
 
 def worker(a: argparse.Namespace) -> None:
