@@ -266,6 +266,28 @@ def test_compiled_adamw_matches_eager_without_recompiling():
         assert_close(a, b)
 
 
+def test_compile_auto_only_for_large_shards():
+    """`optimizer.compile: auto` compiles where the one-off cost pays (≥ 2^24 params per
+    rank) and nowhere else; explicit true/false win. Meta tensors: nothing is allocated."""
+    from zerotrain.config import build_config
+    from zerotrain.optim import COMPILE_AUTO_MIN_PARAMS, build_optimizer, resolve_compile
+
+    def groups(n):
+        return [{"params": [torch.empty(n, device="meta", requires_grad=True)]}]
+
+    assert build_config({}).optimizer.compile == "auto"
+    assert not resolve_compile("auto", groups(COMPILE_AUTO_MIN_PARAMS - 1))
+    assert resolve_compile("auto", groups(COMPILE_AUTO_MIN_PARAMS))
+    assert resolve_compile(True, groups(10)) and not resolve_compile(False, groups(1 << 30))
+    for setting, n, want in [("auto", 1000, False), ("auto", COMPILE_AUTO_MIN_PARAMS, True),
+                             (True, 1000, True)]:
+        cfg = build_config({"optimizer": {"compile": setting}}).optimizer
+        opt = build_optimizer(cfg, groups(n))
+        assert opt.param_groups[0]["compiled"] is want
+    with pytest.raises(Exception, match="compile"):
+        build_config({"optimizer": {"compile": "sometimes"}})
+
+
 def test_mismatched_state_is_a_clear_error():
     p = torch.zeros(4, 3)
     with pytest.raises(ValueError, match=r"shape \(3,\) does not match the parameter's \(4, 3\)"):

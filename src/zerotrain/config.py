@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -79,10 +86,21 @@ class OptimizerConfig(_Section):
     ns_steps: int = Field(5, ge=1, description="Muon Newton-Schulz iterations")
     grad_clip: float | None = Field(1.0, description="clip by global norm; null/0 disables")
     decay_1d: bool = Field(False, description="apply weight decay to biases and norm gains too")
-    compile: bool = Field(
-        False, description="Adam/AdamW: run the update through torch.compile as one fused "
-        "pass (as fast as torch's fused kernel; costs seconds of compilation at start)"
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="Adam/AdamW: run the update through torch.compile as one fused "
+        "pass (as fast as torch's fused kernel; costs seconds of compilation and ~150 MiB "
+        "for the compiler at start). auto: only when this rank's optimizer holds at least "
+        "2^24 parameters, where that one-off cost is repaid within a few hundred steps"
     )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_choice(cls, v: Any) -> bool | str:
+        # one message for the three choices, instead of pydantic's one per union member
+        text = str(v).strip().lower()
+        if isinstance(v, bool) or text in ("true", "false", "auto"):
+            return v if isinstance(v, bool) else {"true": True, "false": False}.get(text, "auto")
+        raise ValueError(f"optimizer.compile must be true, false or auto, got {v!r}")
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OPTIMIZERS", "SGD", "Adagrad", "Adam", "AdamW", "Lion", "Muon", "RMSprop",
     "WarmupDecayLR", "build_optimizer", "functional", "is_elementwise", "lr_at",
-    "lr_from_config",
+    "lr_from_config", "resolve_compile",
     "state_bytes_per_param",
 ]
 
@@ -36,6 +36,10 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 MUON_DEFAULT_MOMENTUM = 0.95
+#: `optimizer.compile: auto` compiles Adam/AdamW from this many parameters per rank on:
+#: there the eager update costs ~40 ms more per step than the fused one (bench/optim.py),
+#: which repays seconds of compilation within a few hundred steps.
+COMPILE_AUTO_MIN_PARAMS = 1 << 24
 
 
 def _class(name: str) -> Any:
@@ -59,6 +63,14 @@ def state_bytes_per_param(name: str, momentum: float = 0.0) -> int:
     return _class(name).state_bytes_per_param(momentum=momentum)
 
 
+def resolve_compile(setting: bool | str, param_groups: list[dict[str, Any]]) -> bool:
+    """`optimizer.compile` as a bool: "auto" is True for large optimizer shards only."""
+    if setting != "auto":
+        return bool(setting)
+    numel = sum(p.numel() for g in param_groups for p in g["params"])
+    return numel >= COMPILE_AUTO_MIN_PARAMS
+
+
 def build_optimizer(
     cfg: OptimizerConfig, param_groups: list[dict[str, Any]]
 ) -> torch.optim.Optimizer:
@@ -69,7 +81,7 @@ def build_optimizer(
     """
     name, lr, wd = cfg.name, cfg.lr, cfg.weight_decay
     _class(name)  # a clear error for an unknown name
-    compiled = cfg.compile
+    compiled = resolve_compile(cfg.compile, param_groups)
     if name in ("adam", "adamw"):
         return _class(name)(param_groups, lr=lr, betas=cfg.betas, eps=cfg.eps,
                             weight_decay=wd, compiled=compiled)
