@@ -10,9 +10,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-from zerotrain.numerics.explain import exact_decimal, explain_encode
+from zerotrain.numerics.explain import explain_encode
 from zerotrain.numerics.float_cli import main_float, main_formats
 from zerotrain.numerics.formats import ALL_FORMATS, FP8_E4M3, FP16, FP32, get_format
+from zerotrain.numerics.notation import exact_decimal
 
 
 def run_float(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

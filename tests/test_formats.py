@@ -19,8 +19,8 @@ from zerotrain.numerics.formats import (
     TF32,
     FloatFormat,
     get_format,
-    parse_bits,
 )
+from zerotrain.numerics.notation import parse_bits
 
 # format name -> (torch dtype, integer dtype of the same width for .view)
 TORCH = {

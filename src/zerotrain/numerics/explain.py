@@ -11,13 +11,14 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from zerotrain.numerics.formats import (
-    ALL_FORMATS,
-    FP32,
-    FloatFormat,
-    get_format,
+from zerotrain.numerics.formats import ALL_FORMATS, FP32, FloatFormat, floor_log2, get_format
+from zerotrain.numerics.notation import (
+    exact_decimal,
+    is_decimal,
     parse_bits,
     parse_number,
+    short,
+    show,
 )
 
 __all__ = ["explain_all", "explain_bits", "explain_encode"]
@@ -26,83 +27,6 @@ TWO = "₂"
 
 
 # ---- small text helpers --------------------------------------------------------------------
-def _is_decimal(fr: Fraction) -> bool:
-    """Does fr have a finite decimal expansion (denominator = 2^a·5^b)?"""
-    d = fr.denominator
-    d >>= (d & -d).bit_length() - 1  # drop the factors of 2
-    return d == 1 or math.gcd(d, 5 ** d.bit_length()) == d
-
-
-def exact_decimal(fr: Fraction) -> str:
-    """Exact decimal string of a terminating fraction (every dyadic float is one)."""
-    sign, fr = ("-" if fr < 0 else ""), abs(fr)
-    k = 0
-    while (fr * 10**k).denominator != 1:
-        k += 1
-    digits = str((fr * 10**k).numerator).rjust(k + 1, "0")
-    if k == 0:
-        return sign + digits
-    return f"{sign}{digits[:-k]}.{digits[-k:]}"
-
-
-def show(fr: Fraction, limit: int = 40) -> str:
-    """Exact when short (decimal, scientific or p/q), otherwise ≈ 17 significant digits."""
-    if max(fr.numerator.bit_length(), fr.denominator.bit_length()) > 2000:
-        return _approx(fr)  # e.g. 1e100000: no exact digits, no float conversion
-    if _is_decimal(fr):
-        s = exact_decimal(fr)
-        sci = _scientific(fr, s)
-        if len(s) <= limit and (len(s) <= 24 or sci is None or len(sci) >= len(s) - 8):
-            return s
-        if sci is not None:
-            return sci
-    elif len(str(fr)) <= limit:
-        return str(fr)
-    return f"≈{float(fr):.17g}" if 1e-300 < abs(_f(fr)) < 1e300 else _approx(fr)
-
-
-def _approx(fr: Fraction, digits: int = 6) -> str:
-    """≈ d.ddddde±N for numbers of any size (floats overflow beyond 1.8e308)."""
-    if fr == 0:
-        return "0"
-    mag = abs(fr)
-    exp10 = math.floor(math.log10(mag.numerator) - math.log10(mag.denominator))
-    n, d = mag.numerator, mag.denominator
-    mant = n / (d * 10**exp10) if exp10 >= 0 else n * 10**-exp10 / d
-    return f"≈{'-' if fr < 0 else ''}{mant:.{digits}g}e{exp10}"
-
-
-def _short(fr: Fraction) -> str:
-    """3 significant digits, even where a float would overflow or underflow."""
-    x = _f(fr)
-    if fr != 0 and (x == 0 or math.isinf(x)):
-        return _approx(fr, 3).lstrip("≈")
-    return f"{x:.3g}"
-
-
-def _f(fr: Fraction) -> float:
-    """float(fr), but ±inf instead of OverflowError for astronomically large values."""
-    try:
-        return float(fr)
-    except OverflowError:
-        return math.inf if fr > 0 else -math.inf
-
-
-def _scientific(fr: Fraction, s: str) -> str | None:
-    """Exact scientific notation ('1e-40') when there are few significant digits."""
-    digits = s.lstrip("-").replace(".", "").lstrip("0").rstrip("0")
-    if not digits or len(digits) > 30:
-        return None
-    mag = abs(fr)
-    exp10 = math.floor(math.log10(mag.numerator) - math.log10(mag.denominator))
-    while Fraction(10) ** exp10 > mag:  # guard float rounding of the logs
-        exp10 -= 1
-    while Fraction(10) ** (exp10 + 1) <= mag:
-        exp10 += 1
-    mant = f"{digits[0]}.{digits[1:]}" if len(digits) > 1 else digits
-    return f"{'-' if fr < 0 else ''}{mant}e{exp10}"
-
-
 def _bits(s: str, limit: int = 72) -> str:
     return s if len(s) <= limit else f"{s[:40]}…{s[-16:]}"
 
@@ -112,13 +36,6 @@ def _layout(fmt: FloatFormat) -> str:
         f"1 sign bit, {fmt.exponent_bits} exponent bits, {fmt.mantissa_bits} mantissa bits, "
         f"bias {fmt.bias}"
     )
-
-
-def _floor_log2(x: Fraction) -> int:
-    """floor(log2 x) for x > 0, exactly (integer shifts, no float)."""
-    n, d = x.numerator, x.denominator
-    e = n.bit_length() - d.bit_length()
-    return e - 1 if (n << max(0, -e)) < (d << max(0, e)) else e
 
 
 def _overflow_text(fmt: FloatFormat) -> str:
@@ -155,13 +72,13 @@ def explain_encode(text: str, fmt: FloatFormat | str = FP32) -> str:
         return "\n".join(out + _result(fmt, bits, value))
     neg, mag = value < 0, abs(value)
     m, emin = fmt.mantissa_bits, fmt.emin
-    if not _is_decimal(mag):
+    if not is_decimal(mag):
         out += [f"(read exactly as the fraction {mag}, not as a rounded decimal)", ""]
     out += ["1. Sign", f"   {show(value)} is {'negative → S = 1' if neg else 'positive → S = 0'}"]
     if neg:
         out.append(f"   continue with |x| = {show(mag)}")
 
-    ex = _floor_log2(mag)
+    ex = floor_log2(mag.numerator, mag.denominator)
     if ex > fmt.emax + 64 or ex < fmt.emin - m - 64:  # no point writing out thousands of bits
         where = "above the largest" if ex > 0 else "below the smallest"
         out += [
@@ -379,7 +296,7 @@ def _result(fmt: FloatFormat, bits: int, value: Fraction | None) -> list[str]:
     if err == 0:
         return [*out, f"   exact: {show(value)} is representable in {fmt.name}, error 0"]
     rel = abs(err / value)
-    approx = _short(err)
+    approx = short(err)
     out.append(
         f"   rounding error = stored − x = {show(err)}"
         + (f"  ({approx})" if approx != show(err) else "")
@@ -400,7 +317,7 @@ def _result(fmt: FloatFormat, bits: int, value: Fraction | None) -> list[str]:
         )
     else:
         note = "overflow"
-    return [*out, f"   relative error = {_short(rel)}  ({note})"]
+    return [*out, f"   relative error = {short(rel)}  ({note})"]
 
 
 def _decoded(fmt: FloatFormat, bits: int) -> str:
@@ -419,7 +336,7 @@ def explain_all(text: str) -> str:
     value = parse_number(text)
     head = f"x = {text.strip()}" + (
         f"  (read exactly as {value})"
-        if isinstance(value, Fraction) and not _is_decimal(value)
+        if isinstance(value, Fraction) and not is_decimal(value)
         else ""
     )
     rows = [("format", "pattern", "stored value", "error", "rel error", "note")]
@@ -432,8 +349,8 @@ def explain_all(text: str) -> str:
             note = _special_note(fmt, value, kind)
         else:
             err = stored - value
-            abs_e = _short(err)
-            rel_e = _short(abs(err / value)) if value else "0"
+            abs_e = short(err)
+            rel_e = short(abs(err / value)) if value else "0"
             note = _note(fmt, value, stored, kind, err)
         shown = repr(fmt.decode(bits))
         rows.append((fmt.name, fmt.format_bits(bits), shown, abs_e, rel_e, note))

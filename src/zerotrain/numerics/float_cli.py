@@ -11,22 +11,21 @@ from fractions import Fraction
 from typing import NoReturn
 
 from zerotrain.numerics.explain import (
-    _floor_log2,
     _overflow_text,
     _table,
-    exact_decimal,
     explain_all,
     explain_bits,
     explain_encode,
 )
-from zerotrain.numerics.formats import ALL_FORMATS, FP32, FloatFormat, parse_number
+from zerotrain.numerics.formats import ALL_FORMATS, FP32, FloatFormat, floor_log2
+from zerotrain.numerics.notation import exact_decimal, parse_number
 
 __all__ = ["format_rows", "formats_table", "main_float", "main_formats"]
 
 
 # ---- the formats table ---------------------------------------------------------------------
 def _pow2(x: Fraction) -> str:
-    return f"{float(x):.6g} (2^{_floor_log2(x)})"
+    return f"{float(x):.6g} (2^{floor_log2(x.numerator, x.denominator)})"
 
 
 def _notes(fmt: FloatFormat) -> list[str]:

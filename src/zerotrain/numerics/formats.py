@@ -10,7 +10,6 @@ torch's casts, and the tensor versions use only integer ops on float64 bit patte
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Literal
@@ -29,9 +28,8 @@ __all__ = [
     "TF32",
     "FloatFormat",
     "Rounding",
+    "floor_log2",
     "get_format",
-    "parse_bits",
-    "parse_number",
 ]
 
 Number = float | int | Fraction | str
@@ -261,23 +259,10 @@ class FloatFormat:
         return math.copysign(float(exact), -1.0 if bits & self.sign_bit else 1.0)
 
     def decode_tensor(self, bits: torch.Tensor) -> torch.Tensor:
-        """Vectorised decode of integer patterns (any int dtype; sign-extended views are fine)."""
-        import torch
+        """Vectorised decode of integer patterns → float64 values (see `numerics.codec`)."""
+        from zerotrain.numerics.codec import decode_tensor
 
-        b = bits.to(torch.int64) & ((1 << self.total_bits) - 1)
-        sign = (b >> (self.total_bits - 1)) & 1
-        e = (b >> self.mantissa_bits) & self.exponent_mask
-        m = b & self.mantissa_mask
-        normal = e != 0
-        sig = torch.where(normal, m | (1 << self.mantissa_bits), m).to(torch.float64)
-        exp = torch.where(normal, e - self._bias, torch.full_like(e, self.emin))
-        val = torch.ldexp(sig, (exp - self.mantissa_bits).to(torch.float64))
-        top = e == self.exponent_mask
-        if self.encoding == "fn":
-            val = torch.where(top & (m == self.mantissa_mask), math.nan, val)
-        else:
-            val = torch.where(top, torch.where(m == 0, math.inf, math.nan), val)
-        return torch.where(sign == 1, -val, val)
+        return decode_tensor(self, bits)
 
     # ---- encoding ------------------------------------------------------------------------
     def round_exact(self, value: Fraction, negative: bool | None = None) -> Rounding:
@@ -286,7 +271,7 @@ class FloatFormat:
             raise ValueError("round_exact needs a non-zero value (zero has no exponent)")
         neg = value < 0 if negative is None else negative
         n, d = abs(value.numerator), value.denominator
-        exponent = _floor_log2(n, d)
+        exponent = floor_log2(n, d)
         eff = max(exponent, self.emin)
         q = eff - self.mantissa_bits
         # |x| / 2^q as num/den, with plain ints (no gcd on huge numbers)
@@ -301,7 +286,7 @@ class FloatFormat:
         mag_bits = ((eff - self.emin) << self.mantissa_bits) + sig
         overflow = mag_bits > self.max_finite_bits
         if overflow:
-            mag_bits = self._overflow_bits(neg) & (self.sign_bit - 1)
+            mag_bits = self.overflow_bits(neg) & (self.sign_bit - 1)
         return Rounding(
             negative=neg,
             exponent=exponent,
@@ -318,7 +303,8 @@ class FloatFormat:
             bits=mag_bits | (self.sign_bit if neg else 0),
         )
 
-    def _overflow_bits(self, negative: bool) -> int:
+    def overflow_bits(self, negative: bool) -> int:
+        """The pattern a cast gives a magnitude beyond max finite (inf, ±max or NaN)."""
         s = self.sign_bit if negative else 0
         inf = self.inf_bits(negative)
         if self.overflow == "inf" and inf is not None:
@@ -334,6 +320,8 @@ class FloatFormat:
         the string "0.1" means the real number 1/10, not the double nearest to it.
         """
         if isinstance(x, str):
+            from zerotrain.numerics.notation import parse_number
+
             x = parse_number(x)
         if isinstance(x, float):
             negative = math.copysign(1.0, x) < 0
@@ -341,7 +329,7 @@ class FloatFormat:
                 return self.nan_bits(negative)
             if math.isinf(x):
                 inf = self.inf_bits(negative)
-                return inf if inf is not None else self._overflow_bits(negative)
+                return inf if inf is not None else self.overflow_bits(negative)
             if x == 0:
                 return self.sign_bit if negative else 0
             return self.round_exact(Fraction(x), negative).bits
@@ -351,41 +339,10 @@ class FloatFormat:
         return self.round_exact(value).bits
 
     def encode_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Vectorised `encode` of a float tensor → int64 patterns (unsigned, < 2^total_bits).
+        """Vectorised `encode` of a float tensor → int64 patterns (see `numerics.codec`)."""
+        from zerotrain.numerics.codec import encode_tensor
 
-        Works on the float64 bit pattern (exact for float32/16/bf16 inputs) with integer
-        shifts only: |x| = M·2^E, keep M >> shift, round with the remainder vs half.
-        """
-        import torch
-
-        if self.mantissa_bits > 51 or self.emin - self.mantissa_bits < -1000:
-            raise ValueError(f"{self.name}: too wide for the float64-based vectorised path")
-        x = t.detach().to(torch.float64).contiguous()
-        b = x.view(torch.int64)
-        sign = (b >> 63) & 1
-        e64 = (b >> 52) & 0x7FF
-        m64 = b & ((1 << 52) - 1)
-        normal = e64 != 0
-        M = torch.where(normal, m64 | (1 << 52), m64)
-        # float64 subnormals (< 2^-1022) sit far below every format's smallest subnormal;
-        # pretending their exponent is -1022 still yields the right (zero) result.
-        ue = torch.where(normal, e64 - 1023, torch.full_like(e64, -1022))
-        eff = torch.clamp(ue, min=self.emin)
-        shift = (eff - self.mantissa_bits - ue + 52).clamp(max=62)  # ≥ 1 since m ≤ 51
-        one = torch.ones_like(shift)
-        r = M >> shift
-        rest = M & ((one << shift) - 1)
-        half = one << (shift - 1)
-        up = (rest > half) | ((rest == half) & ((r & 1) == 1))
-        mag = ((eff - self.emin) << self.mantissa_bits) + r + up.to(torch.int64)
-        over = mag > self.max_finite_bits
-        mag = torch.where(over, self._overflow_bits(False), mag)
-        special = e64 == 0x7FF
-        is_nan = special & (m64 != 0)
-        inf_mag = self.inf_bits() if self.has_inf else self._overflow_bits(False)
-        mag = torch.where(special & ~is_nan, inf_mag, mag)
-        mag = torch.where(is_nan, self.nan_bits(), mag)
-        return mag | (sign << (self.total_bits - 1))
+        return encode_tensor(self, t)
 
     # ---- text ----------------------------------------------------------------------------
     def format_bits(self, bits: int, sep: str = " ") -> str:
@@ -399,6 +356,8 @@ class FloatFormat:
 
     def parse_bits(self, text: str) -> int:
         """Read a pattern written for this format (fields optionally spaced, or 0x hex)."""
+        from zerotrain.numerics.notation import parse_bits
+
         return parse_bits(text, self)[1]
 
     def _check_bits(self, bits: int) -> None:
@@ -442,8 +401,8 @@ FP8_E5M2 = FloatFormat(
 ALL_FORMATS: tuple[FloatFormat, ...] = (FP32, TF32, FP16, BF16, FP8_E4M3, FP8_E5M2)
 
 
-def _floor_log2(n: int, d: int) -> int:
-    """floor(log2(n/d)) for positive ints, exactly."""
+def floor_log2(n: int, d: int = 1) -> int:
+    """floor(log2(n/d)) for positive ints, exactly (integer shifts, no float)."""
     e = n.bit_length() - d.bit_length()
     return e - 1 if (n << max(0, -e)) < (d << max(0, e)) else e
 
@@ -470,103 +429,3 @@ def get_format(name: str | FloatFormat) -> FloatFormat:
         raise ValueError(
             f"unknown float format {name!r}; valid: {valid} (aliases: {aliases})"
         ) from None
-
-
-_SPECIAL_NUMBERS = {"inf": math.inf, "infinity": math.inf, "nan": math.nan}
-
-
-def parse_number(text: str) -> Fraction | float:
-    """'0.1', '1e-8', '-2.5', '1/3', '0x1.8p3' → exact Fraction; 'inf'/'nan' → float.
-
-    Returns a float only for the specials, or for "-0" (to keep the sign of zero).
-    """
-    s = text.strip().lower()
-    body = s.lstrip("+-")
-    negative = s.startswith("-")
-    if body in _SPECIAL_NUMBERS:
-        v = _SPECIAL_NUMBERS[body]
-        return -v if negative else v
-    big = re.search(r"e([+-]?\d+)$", body)
-    if big and abs(int(big.group(1))) > 100_000:
-        raise ValueError(f"{text!r}: decimal exponent beyond ±100000 (every format is ±inf or 0)")
-    try:
-        if body.startswith("0x"):
-            value = Fraction(float.fromhex(s))
-        else:
-            value = Fraction(s.replace("_", ""))
-    except (ValueError, ZeroDivisionError, OverflowError):
-        raise ValueError(
-            f"cannot read {text!r} as a number (try 9.625, -2.5, 1e-8, 1/3, inf, nan)"
-        ) from None
-    if value == 0 and negative:
-        return -0.0
-    return value
-
-
-_GROUP_SPLIT = re.compile(r"[\s._|]+")
-
-
-def parse_bits(text: str, fmt: FloatFormat | str | None = None) -> tuple[FloatFormat, int]:
-    """Read '0 10000010 0011…', '01000001000110100000000000000000' or '0x411A0000'.
-
-    Grouped fields name their format by widths (1/5/10 is fp16); an ungrouped pattern whose
-    length fits several formats (16 bits: fp16 or bf16) needs `fmt`.
-    """
-    given = get_format(fmt) if fmt is not None else None
-    s = text.strip()
-    if s.lower().startswith("0x"):
-        digits = re.sub(r"[\s_]", "", s[2:])
-        if not digits or not re.fullmatch(r"[0-9a-fA-F]+", digits):
-            raise ValueError(f"{text!r} is not a hex pattern")
-        bits, width = int(digits, 16), 4 * len(digits)
-        if given is None:
-            matches = [f for f in ALL_FORMATS if (f.total_bits + 3) // 4 * 4 == width]
-            given = _pick(matches, f"a {len(digits)}-digit hex pattern", text)
-        if bits >> given.total_bits:
-            raise ValueError(f"{text!r} does not fit in {given.total_bits}-bit {given.name}")
-        return given, bits
-    if s.lower().startswith("0b"):
-        s = s[2:]
-    groups = [g for g in _GROUP_SPLIT.split(s) if g]
-    if not groups or any(set(g) - {"0", "1"} for g in groups):
-        raise ValueError(f"{text!r} is not a bit pattern: use 0s and 1s, or 0x hex")
-    joined = "".join(groups)
-    if len(groups) == 3:
-        widths = tuple(len(g) for g in groups)
-        if widths[0] != 1:
-            raise ValueError(f"{text!r}: the first field is the sign and must be 1 bit")
-        matches = [f for f in ALL_FORMATS if (f.exponent_bits, f.mantissa_bits) == widths[1:]]
-        if given is None:
-            if not matches:
-                known = ", ".join(
-                    f"{f.name} 1/{f.exponent_bits}/{f.mantissa_bits}" for f in ALL_FORMATS
-                )
-                raise ValueError(f"no format has fields 1/{widths[1]}/{widths[2]} (known: {known})")
-            given = matches[0]
-        elif (given.exponent_bits, given.mantissa_bits) != widths[1:]:
-            raise ValueError(
-                f"{text!r} has fields 1/{widths[1]}/{widths[2]} but {given.name} is "
-                f"1/{given.exponent_bits}/{given.mantissa_bits}"
-            )
-    elif len(groups) != 1:
-        raise ValueError(f"{text!r}: write the fields as 'S EEEE MMM' (3 groups) or ungrouped")
-    elif given is None:
-        matches = [f for f in ALL_FORMATS if f.total_bits == len(joined)]
-        given = _pick(matches, f"{len(joined)} ungrouped bits", text)
-    if len(joined) != given.total_bits:
-        raise ValueError(f"{text!r} has {len(joined)} bits but {given.name} has {given.total_bits}")
-    return given, int(joined, 2)
-
-
-def _pick(matches: list[FloatFormat], what: str, text: str) -> FloatFormat:
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        raise ValueError(f"{text!r}: no format matches {what}; pass --format")
-    names = " or ".join(f"{f.name} (1/{f.exponent_bits}/{f.mantissa_bits})" for f in matches)
-    f = matches[0]
-    example = f"0 0{'1' * (f.exponent_bits - 1)} {'0' * f.mantissa_bits}"
-    raise ValueError(
-        f"{text!r}: {what} could be {names}; group the fields with spaces "
-        f"(e.g. '{example}' is 1.0 in {f.name}) or pass --format"
-    )
