@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.steps < 1 or a.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
     if a.worker:
         worker(a)
         return

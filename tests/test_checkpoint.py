@@ -179,6 +179,42 @@ def test_reshard_across_stages_and_world_sizes(tmp_path):
     assert ref == pytest.approx(z3, rel=1e-5) and ref == pytest.approx(z1, rel=1e-5)
 
 
+def _continue(eng, steps):
+    b = eng.config.data.micro_batch_size
+    for i, (X, Y) in enumerate(batches(5 + steps)):
+        if i >= 5:
+            eng.backward(eng(X[:b], Y[:b]))
+            eng.step()
+    return {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+
+
+def test_per_parameter_optimizer_cut_resumes_into_flat_cut(tmp_path, monkeypatch):
+    """Stage-0 checkpoints written when the optimizer got one tensor per parameter (the
+    cut Muon still uses) resume into today's flat per-group cut with identical results;
+    and how the update runs (`compiled`) follows the running config, not the file."""
+    import zerotrain.engine as engine_mod
+
+    cfg = make_config({}, 1, 10)
+    flat = _train_engine(cfg, 5)
+    assert len(flat.strategy.segment_table()) < len(list(flat.module.parameters()))
+    save_engine(flat, tmp_path / "flat")
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "is_elementwise", lambda name: False)  # the old cut
+        old = _train_engine(cfg, 5)
+    assert len(old.strategy.segment_table()) == len(list(old.module.parameters()))
+    for g in old.optimizer.param_groups:
+        g["compiled"] = True  # as if saved by a run that compiled
+    save_engine(old, tmp_path / "old")
+    want = _continue(flat, 3)
+    for ck in ("old", "flat"):
+        torch.manual_seed(99)
+        eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+        load_engine(eng, tmp_path / ck)
+        assert all(g["compiled"] is False for g in eng.optimizer.param_groups)
+        got = _continue(eng, 3)
+        assert all(torch.equal(got[k], want[k]) for k in want), ck
+
+
 def test_export_roundtrip(tmp_path):
     ck = tmp_path / "ck"
     run_ranks(_save_sharded, 2, ck, 3, "bf16")

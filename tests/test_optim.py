@@ -286,6 +286,13 @@ def test_compile_auto_only_for_large_shards():
         assert opt.param_groups[0]["compiled"] is want
     with pytest.raises(Exception, match="compile"):
         build_config({"optimizer": {"compile": "sometimes"}})
+    assert build_config({"optimizer": {"compile": 1}}).optimizer.compile is True
+    # torch.optim's other ways of passing params still give every parameter to the optimizer
+    cfg = build_config({}).optimizer
+    model = torch.nn.Linear(3, 2)
+    for params in (model.parameters(), [{"params": model.parameters()}]):
+        opt = build_optimizer(cfg, params)
+        assert sum(len(g["params"]) for g in opt.param_groups) == 2
 
 
 def test_mismatched_state_is_a_clear_error():

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -96,11 +97,14 @@ class OptimizerConfig(_Section):
     @field_validator("compile", mode="before")
     @classmethod
     def _compile_choice(cls, v: Any) -> bool | str:
-        # one message for the three choices, instead of pydantic's one per union member
-        text = str(v).strip().lower()
-        if isinstance(v, bool) or text in ("true", "false", "auto"):
-            return v if isinstance(v, bool) else {"true": True, "false": False}.get(text, "auto")
-        raise ValueError(f"optimizer.compile must be true, false or auto, got {v!r}")
+        # "auto", or anything pydantic reads as a bool (true/1/yes/on ...), with one message
+        # for a bad value instead of pydantic's one per member of the union
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        try:
+            return TypeAdapter(bool).validate_python(v)
+        except ValidationError:
+            raise ValueError(f"optimizer.compile must be true, false or auto, got {v!r}") from None
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from zerotrain.engine import Engine
 
 SCALAR_STATES = ("step",)  # every other optimizer state is elementwise
+#: Optimizer group options that say how to compute, not what: taken from the running
+#: config on resume, never from the checkpoint.
+RUNTIME_OPTIONS = ("compiled",)
 
 
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -102,11 +105,17 @@ def load_engine(engine: Engine, path: str | Path) -> dict[str, Any]:
     _check_model(meta, engine)
     s, opt = engine.strategy, engine.optimizer
     same_layout = meta["layout"] == s.layout()
+    tensors: dict[str, Tensor] | None = None
     if same_layout:
         tensors, rmeta = read_rank(ckpt, engine.rank)
-        if rmeta["segments"] != s.segment_table():
-            raise CheckpointError(f"'{ckpt}' has a different optimizer partition for rank "
-                                  f"{engine.rank}; was optimizer.decay_1d changed?")
+        # Same units, but the optimizer tensors cut differently (stage 0 used to hand the
+        # optimizer one tensor per parameter, now one flat run per group): the weights are
+        # the same, so reshard the optimizer state. The cut follows from the layout and
+        # the optimizer alone, so every rank takes the same branch (both branches run
+        # collectives).
+        same_layout = rmeta["segments"] == s.segment_table()
+    if same_layout:
+        assert tensors is not None
         s.load_master_shards(tensors)
         state: dict[int, dict[str, Any]] = {}
         for key, v in tensors.items():
@@ -117,12 +126,16 @@ def load_engine(engine: Engine, path: str | Path) -> dict[str, Any]:
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = v
         opt.load_state_dict({"state": state, "param_groups": rmeta["param_groups"]})
-        torch.set_rng_state(tensors["rng.cpu"])
-        if "rng.cuda" in tensors and engine.device.type == "cuda":
-            torch.cuda.set_rng_state(tensors["rng.cuda"], engine.device)
+        # how to run the update is this run's choice, not the checkpoint's
+        for g in opt.param_groups:
+            g.update({k: v for k, v in opt.defaults.items() if k in RUNTIME_OPTIONS})
     else:
         weights, states, _ = consolidate(ckpt)
         _load_resharded(engine, weights, states)
+    if tensors is not None:  # this rank's own generator state (same world size)
+        torch.set_rng_state(tensors["rng.cpu"])
+        if "rng.cuda" in tensors and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(tensors["rng.cuda"], engine.device)
     engine.global_step = int(meta["global_step"])
     engine.micro_step = int(meta["micro_step"])
     engine.scaler.load_state_dict(meta["scaler"])

@@ -64,9 +64,14 @@ def state_bytes_per_param(name: str, momentum: float = 0.0) -> int:
 
 
 def resolve_compile(setting: bool | str, param_groups: list[dict[str, Any]]) -> bool:
-    """`optimizer.compile` as a bool: "auto" is True for large optimizer shards only."""
+    """`optimizer.compile` as a bool: "auto" is True for large optimizer shards only.
+
+    `param_groups` as an optimizer holds them (each "params" a list of tensors).
+    """
+    if isinstance(setting, bool):
+        return setting
     if setting != "auto":
-        return bool(setting)
+        raise ValueError(f"optimizer.compile must be true, false or auto, got {setting!r}")
     numel = sum(p.numel() for g in param_groups for p in g["params"])
     return numel >= COMPILE_AUTO_MIN_PARAMS
 
@@ -81,10 +86,15 @@ def build_optimizer(
     """
     name, lr, wd = cfg.name, cfg.lr, cfg.weight_decay
     _class(name)  # a clear error for an unknown name
-    compiled = resolve_compile(cfg.compile, param_groups)
     if name in ("adam", "adamw"):
-        return _class(name)(param_groups, lr=lr, betas=cfg.betas, eps=cfg.eps,
-                            weight_decay=wd, compiled=compiled)
+        opt = _class(name)(param_groups, lr=lr, betas=cfg.betas, eps=cfg.eps,
+                           weight_decay=wd, compiled=False)
+        # decided on the groups as torch.optim normalised them (any iterable of params)
+        compiled = resolve_compile(cfg.compile, opt.param_groups)
+        opt.defaults["compiled"] = compiled
+        for g in opt.param_groups:
+            g["compiled"] = compiled
+        return opt
     if name == "sgd":
         return SGD(param_groups, lr=lr, momentum=cfg.momentum, dampening=cfg.dampening,
                    weight_decay=wd, nesterov=bool(cfg.nesterov))
