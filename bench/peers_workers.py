@@ -186,6 +186,22 @@ class Job:
     close: Callable[[], None] = lambda: None
 
 
+def engine_job(engine: Any, **job: Any) -> Job:
+    """A loop over an engine with the `engine(x, y)` / `.backward(loss)` / `.step()` API,
+    which zerotrain and DeepSpeed share."""
+
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    def evaluate(x: Tensor, y: Tensor) -> Tensor:
+        return engine(x, y).detach()
+
+    return Job(step, evaluate, **job)
+
+
 # ---------------------------------------------------------------------------- zerotrain
 def zerotrain_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
     from zerotrain.config import build_config, deep_merge
@@ -206,22 +222,12 @@ def zerotrain_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
     cfg_dict = deep_merge(cfg_dict, json.loads(a.zt_config)) if a.zt_config else cfg_dict
     cfg = build_config(cfg_dict)
     eng = Engine(model, cfg, torch.device("cpu"))
-
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        return loss.detach()
-
-    def evaluate(x: Tensor, y: Tensor) -> Tensor:
-        return eng(x, y).detach()
-
     how = {"ring": "observed", "native": "computed"}.get(d["algorithm"], "observed+computed")
     z = cfg.zero
     notes = {"bucket_mb": z.bucket_mb, "overlap": z.overlap, "prefetch": z.prefetch,
              "strategy": eng.strategy.name, "units": len(eng.strategy.units)}
-    return Job(step, evaluate, lambda: int(eng.last_traffic_bytes[0]), f"zerotrain {how}",
-               notes, eng.close)
+    return engine_job(eng, traffic=lambda: int(eng.last_traffic_bytes[0]),
+                      traffic_how=f"zerotrain {how}", notes=notes, close=eng.close)
 
 
 # ---------------------------------------------------------------------------- PyTorch
@@ -319,19 +325,10 @@ def deepspeed_job(a: argparse.Namespace, model: nn.Module, system: str) -> Job:
         client = torch.optim.AdamW(groups, **adamw_kwargs(a))
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config)
 
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    def evaluate(x: Tensor, y: Tensor) -> Tensor:
-        return engine(x, y).detach()
-
     notes = {"deepspeed": deepspeed.__version__, "optimizer": type(opt).__name__,
              "adamw": "DeepSpeedCPUAdam" if d["offload"] else a.peer_adamw,
              "bucket_elements": zero.get("reduce_bucket_size")}
-    return Job(step, evaluate, notes=notes)
+    return engine_job(engine, notes=notes)
 
 
 def build_job(a: argparse.Namespace, model: nn.Module) -> Job:
