@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ModelConfig
+from zerotrain.models.plan import Plan, plan_from
 
 
 class CausalSelfAttention(nn.Module):
@@ -121,3 +122,8 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def plan(model: GPT) -> Plan:
+    """The GPT's blocks are its ZeRO-3 units; wte, wpe and the (tied) head its edge."""
+    return plan_from(model, list(model.blocks), [model.wte, model.wpe, model.head])
