@@ -46,8 +46,8 @@ def offload_engine(model_cfg: dict, compiled: bool) -> tuple[Engine, callable]:
     torch.manual_seed(0)
     eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
     s = eng.strategy
-    for g in s.grad_shard:
-        g.normal_()
+    for u in s.units:
+        u.grad.normal_()
     s.attach_grads()
     return eng, eng.optimizer.step
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zerotrain.config import ModelConfig
+from zerotrain.memory import proc_status
 from zerotrain.models.gpt import GPT
 
 # ---------------------------------------------------------------------------- systems
@@ -93,17 +94,6 @@ def describe(system: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- helpers
-def proc_status() -> dict[str, int]:
-    """Current and peak resident set size of this process, bytes (Linux /proc)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
 def loopback_tx_bytes() -> int | None:
     """Bytes sent on `lo` in this network namespace, or None without /proc/net/dev."""
     try:

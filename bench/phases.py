@@ -36,9 +36,9 @@ ZT_TIMED = ("finish_backward", "grad_norm_sq", "attach_grads", "after_step", "ze
 
 def _status() -> dict[str, float]:
     """VmRSS and VmHWM of this process in MiB."""
-    from peers_workers import proc_status  # bench/ is sys.path[0] for a script run here
+    from zerotrain.memory import proc_status
 
-    return {k: v / 2**20 for k, v in proc_status().items()}
+    return {k: v / 2**20 for k, v in proc_status().items() if k in ("VmRSS", "VmHWM")}
 
 
 def worker(a: argparse.Namespace) -> None:

@@ -12,15 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zerotrain.checkpoint.io import CheckpointError, resolve
-from zerotrain.checkpoint.state import consolidate, export, load_engine, save_engine
+from zerotrain.checkpoint import CheckpointError, consolidate, export, resolve
+from zerotrain.checkpoint.io import read_meta
+from zerotrain.checkpoint.reshard import SavedShards
 from zerotrain.config import build_config
 from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
 from zerotrain.train import train
 
 from multirank import run_ranks
-from zero_harness import batches, make_config
+from zero_harness import batches, local_batch, make_config
 
 
 def _corpus(tmp_path) -> str:
@@ -117,8 +118,8 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     ckpt = resolve(root)
     assert ckpt.name == "step_00000004"
     eng = Engine(GPT(cfg.model), cfg)
-    meta = load_engine(eng, root)
-    assert meta["global_step"] == 4 and eng.global_step == 4
+    path, _ = eng.load_checkpoint(root)
+    assert path.name == "step_00000004" and eng.global_step == 4
 
 
 def _train_engine(cfg, steps):
@@ -129,7 +130,7 @@ def _train_engine(cfg, steps):
     rank, _ = world()
     b = cfg.data.micro_batch_size
     for X, Y in batches(steps):
-        eng.backward(eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b]))
+        eng.backward(eng(*local_batch(X, Y, rank, 2, b)))
         eng.step()
     return eng
 
@@ -137,7 +138,7 @@ def _train_engine(cfg, steps):
 def _save_sharded(path, stage, dtype):
     cfg = make_config({"zero": {"stage": stage}, "precision": {"dtype": dtype}}, 2, 10)
     eng = _train_engine(cfg, 5)
-    save_engine(eng, path)
+    eng.save_checkpoint(path)
     from zero_harness import full_params
 
     return full_params(eng)
@@ -147,7 +148,7 @@ def _loss_after_resume(path, stage, world, steps):
     cfg = make_config({"zero": {"stage": stage}}, world, 10)
     torch.manual_seed(99)  # different init: everything must come from the checkpoint
     eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
-    load_engine(eng, path)
+    eng.load_checkpoint(path)
     from zerotrain.comm.dist import world as w
 
     rank, n = w()
@@ -156,7 +157,7 @@ def _loss_after_resume(path, stage, world, steps):
     for i, (X, Y) in enumerate(batches(5 + steps)):
         if i < 5:
             continue
-        loss = eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b])
+        loss = eng(*local_batch(X, Y, rank, 2, b))
         losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
         eng.backward(loss)
         eng.step()
@@ -166,12 +167,18 @@ def _loss_after_resume(path, stage, world, steps):
 def test_reshard_across_stages_and_world_sizes(tmp_path):
     ck = tmp_path / "ck"
     params = run_ranks(_save_sharded, 2, ck, 2, "fp32")[0]
-    weights, states, meta = consolidate(ck)
+    weights, meta = consolidate(ck)
     assert meta["layout"]["world_size"] == 2
+    saved = SavedShards(resolve(ck), read_meta(resolve(ck)))
     for k, v in params.items():
         assert torch.equal(weights[k], v), k
-        assert set(states[k]) == {"exp_avg", "exp_avg_sq", "step"}
-        assert float(states[k]["step"]) == 5
+        assert saved.state_names([k]) == ["exp_avg", "exp_avg_sq", "step"]
+        assert float(saved.scalars[("step", k)]) == 5
+        # a state read back in two halves equals the whole
+        n = v.numel()
+        whole = saved.read("exp_avg", k, 0, n)
+        assert torch.equal(torch.cat([saved.read("exp_avg", k, 0, n // 2),
+                                      saved.read("exp_avg", k, n // 2, n)]), whole)
     # the same continuation from 1 rank / ZeRO-0, 1 rank / ZeRO-3, 3 ranks / ZeRO-1
     ref = _loss_after_resume(ck, 0, 1, 3)
     z3 = _loss_after_resume(ck, 3, 1, 3)
@@ -196,20 +203,21 @@ def test_per_parameter_optimizer_cut_resumes_into_flat_cut(tmp_path, monkeypatch
 
     cfg = make_config({}, 1, 10)
     flat = _train_engine(cfg, 5)
-    assert len(flat.strategy.segment_table()) < len(list(flat.module.parameters()))
-    save_engine(flat, tmp_path / "flat")
+    n_params = len(list(flat.module.parameters()))
+    assert len(flat.strategy.rank_layout()["segments"]) < n_params
+    flat.save_checkpoint(tmp_path / "flat")
     with monkeypatch.context() as m:
         m.setattr(engine_mod, "is_elementwise", lambda name: False)  # the old cut
         old = _train_engine(cfg, 5)
-    assert len(old.strategy.segment_table()) == len(list(old.module.parameters()))
+    assert len(old.strategy.rank_layout()["segments"]) == n_params
     for g in old.optimizer.param_groups:
         g["compiled"] = True  # as if saved by a run that compiled
-    save_engine(old, tmp_path / "old")
+    old.save_checkpoint(tmp_path / "old")
     want = _continue(flat, 3)
     for ck in ("old", "flat"):
         torch.manual_seed(99)
         eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
-        load_engine(eng, tmp_path / ck)
+        eng.load_checkpoint(tmp_path / ck)
         assert all(g["compiled"] is False for g in eng.optimizer.param_groups)
         got = _continue(eng, 3)
         assert all(torch.equal(got[k], want[k]) for k in want), ck
@@ -223,12 +231,13 @@ def test_export_roundtrip(tmp_path):
     fresh = GPT(cfg.model)
     fresh.load_state_dict(load_file(str(out)))  # strict: tied names included, no zerotrain
     X, Y = next(iter(batches(1)))
-    weights, _, _ = consolidate(ck, optimizer=False)
+    weights, meta = consolidate(ck)
+    assert json.loads(json.dumps(meta["config"]["model"])) == cfg.model.model_dump(mode="json")
     assert weights["wte.weight"].dtype == torch.float32  # bf16 run: the fp32 master
     with torch.no_grad():
         want = fresh(X, Y).item()
     eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
-    load_engine(eng, ck)
+    eng.load_checkpoint(ck)
     with torch.no_grad():
         got = eng(X, Y).item()
     assert got == want
@@ -242,10 +251,10 @@ def test_bad_checkpoints(tmp_path):
         resolve(tmp_path / "empty")
     ck = tmp_path / "ck"
     cfg = make_config({}, 1, 10)
-    save_engine(_train_engine(cfg, 1), ck)
+    _train_engine(cfg, 1).save_checkpoint(ck)
     other = make_config({"model": {"n_layer": 3}}, 1, 10)
-    with pytest.raises(CheckpointError, match=r"model.n_layer: checkpoint 2, config 3"):
-        load_engine(Engine(GPT(other.model), other), ck)
+    with pytest.raises(CheckpointError, match=r"no tensor 'blocks.2.ln1.weight'"):
+        Engine(GPT(other.model), other).load_checkpoint(ck)
     (resolve(ck) / "rank00000.safetensors").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
-        load_engine(Engine(GPT(cfg.model), cfg), ck)
+        Engine(GPT(cfg.model), cfg).load_checkpoint(ck)

@@ -15,18 +15,15 @@ from zerotrain.memory import (
     block_activation_bytes,
     bytes_per_param,
     collective_cost,
-    count_params,
     estimate,
-    gpt_largest_unit,
-    gpt_param_count,
     head_activation_bytes,
     model_state_bytes,
     model_state_bytes_from_buffers,
     precision_bytes,
     shard_numel,
     traffic_per_step,
-    unit_param_counts,
 )
+from zerotrain.models import count_params, model_size, unit_numels
 from zerotrain.models.gpt import GPT
 
 MIXED = dict(param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8)  # bf16 + AdamW
@@ -39,7 +36,7 @@ def test_bytes_per_param_by_precision():
     assert precision_bytes("bf16") == (2, 2, 4)
     assert precision_bytes("fp16", "fp32") == (2, 4, 4)
     assert precision_bytes("bf16-pure") == (2, 2, 0)
-    b = bytes_per_param("bf16", "adamw")
+    b = bytes_per_param("bf16", 8)
     assert (b.params, b.grads, b.master, b.optimizer) == (2, 2, 4, 8)
     assert b.master + b.optimizer == 12  # SPEC's K for mixed Adam
     with pytest.raises(ValueError):
@@ -155,17 +152,18 @@ def _gpt_formula(c: ModelConfig) -> int:
 
 def test_param_count_on_meta_and_units():
     big = ModelConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048, vocab_size=50304)
-    assert gpt_param_count(big) == _gpt_formula(big)  # ~6.6B, counted without allocating
+    psi, largest = model_size(big)
+    assert psi == _gpt_formula(big)  # ~6.6B, counted without allocating
     for tie in (True, False):
         c = ModelConfig(n_layer=3, n_embd=32, n_head=4, tie_weights=tie)
         model = GPT(c)
-        assert count_params(model) == model.num_params() == gpt_param_count(c) == _gpt_formula(c)
-        units = unit_param_counts(lambda c=c: GPT(c))
-        assert set(units) == {"root", "blocks.0", "blocks.1", "blocks.2"}
+        assert count_params(model) == model.num_params() == model_size(c)[0] == _gpt_formula(c)
+        units = unit_numels(lambda c=c: GPT(c))
+        assert set(units) == {"root", "block0", "block1", "block2"}
         assert sum(units.values()) == _gpt_formula(c)
         assert units["root"] == 256 * 32 * (1 if tie else 2) + 128 * 32 + 2 * 32
     # the root unit (embeddings 50304·4096 + 2048·4096, ln_f) outweighs a block (12h² + 13h)
-    assert gpt_largest_unit(big) == (50304 + 2048 + 2) * 4096 > 12 * 4096**2 + 13 * 4096
+    assert largest == (50304 + 2048 + 2) * 4096 > 12 * 4096**2 + 13 * 4096
 
 
 # ----------------------------------------------------------------------------- activations
@@ -276,7 +274,7 @@ def test_cli_gib_and_model_config(tmp_path, capsys):
     assert rep["unit"] == "GiB" and rep["gpu_mem"] == 2**30 and rep["precision"] == "fp32"
     assert rep["psi"] == _gpt_formula(c)
     assert rep["rows"][0]["activations"] == activation_bytes(c, 3, 32, act_bytes=4)
-    assert rep["rows"][3]["gathered"] == gpt_largest_unit(c) * 4
+    assert rep["rows"][3]["gathered"] == model_size(c)[1] * 4
 
 
 def test_cli_plot(tmp_path, capsys):

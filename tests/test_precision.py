@@ -17,7 +17,7 @@ from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.numerics.scaler import LossScaleError, LossScaler
 
 from multirank import run_ranks
-from zero_harness import batches, make_config
+from zero_harness import batches, local_batch, make_config
 
 
 def _grads(model):
@@ -65,7 +65,7 @@ def test_pure_bf16_stalls_while_fp32_master_learns():
     pure, mixed = _tiny_engine("bf16-pure", 1e-5), _tiny_engine("bf16", 1e-5)
     big = [(p.detach().clone(), p) for p in pure.module.parameters()]
     mixed_start = {n: p.detach().clone() for n, p in mixed.module.named_parameters()}
-    master0 = [m.clone() for m in mixed.strategy.master]
+    master0 = [u.master.clone() for u in mixed.strategy.units]
     for X, Y in batches(20):
         for e in (pure, mixed):
             e.backward(e(X, Y))
@@ -79,7 +79,8 @@ def test_pure_bf16_stalls_while_fp32_master_learns():
     assert total > 5_000
     assert moved_pure == 0
     assert moved_mixed / total > 0.25  # measured ≈ 39% after 20 steps, and growing
-    moved_master = sum(int((m != m0).sum()) for m, m0 in zip(mixed.strategy.master, master0))
+    moved_master = sum(int((u.master != m0).sum())
+                       for u, m0 in zip(mixed.strategy.units, master0))
     assert moved_master / sum(m.numel() for m in master0) > 0.9
 
 
@@ -130,15 +131,15 @@ def _inject_inf_run(stage: int, inf_rank: int) -> dict:
     for i, (X, Y) in enumerate(batches(5)):
         poison["on"] = i in (2, 3)
         if i == 2:
-            snaps.append((torch.cat([m.detach().clone() for m in eng.strategy.master]),
+            snaps.append((torch.cat([u.master.detach().clone() for u in eng.strategy.units]),
                           {k: {n_: t.clone() for n_, t in v.items()}
                            for k, v in eng.optimizer.state_dict()["state"].items()}))
-        eng.backward(eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b]))
+        eng.backward(eng(*local_batch(X, Y, rank, 2, b)))
         info = eng.step()
         scales.append(info.loss_scale)
         skipped.append(info.skipped)
         if i == 3:
-            snaps.append((torch.cat([m.detach().clone() for m in eng.strategy.master]),
+            snaps.append((torch.cat([u.master.detach().clone() for u in eng.strategy.units]),
                           {k: {n_: t.clone() for n_, t in v.items()}
                            for k, v in eng.optimizer.state_dict()["state"].items()}))
     return {"scales": scales, "skipped": skipped, "snaps": snaps,

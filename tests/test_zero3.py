@@ -10,7 +10,7 @@ from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
 
 from multirank import run_ranks
-from zero_harness import batches, make_config, rel_err, train_tiny
+from zero_harness import batches, local_batch, make_config, rel_err, train_tiny
 
 
 def _gathered_in_flight(prefetch: bool) -> dict:
@@ -30,11 +30,11 @@ def _gathered_in_flight(prefetch: bool) -> dict:
     rank = s.rank
     b = cfg.data.micro_batch_size
     for X, Y in batches(2):
-        eng.backward(eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b]))
+        eng.backward(eng(*local_batch(X, Y, rank, 2, b)))
         eng.step()
     unit_bytes = [u.padded_numel * 4 for u in s.units]
     return {"peak": max(seen), "after_step": s.gathered_bytes(), "units": unit_bytes,
-            "shard_bytes": sum(t.numel() * 4 for t in s.shard_param)}
+            "shard_bytes": sum(u.shard.numel() * 4 for u in s.units)}
 
 
 def test_only_units_in_flight_are_gathered():
@@ -55,7 +55,7 @@ def _generate(stage: int) -> list[int]:
     rank = eng.rank
     b = cfg.data.micro_batch_size
     for X, Y in batches(3):
-        eng.backward(eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b]))
+        eng.backward(eng(*local_batch(X, Y, rank, 2, b)))
         eng.step()
     eng.eval()
     with torch.no_grad():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from zerotrain.config import build_config, deep_merge
+from zerotrain.data.sampler import local_rows
 from zerotrain.models.gpt import GPT
 
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4 ranks, times 2 micro-steps
@@ -44,18 +45,16 @@ def batches(steps: int):
         yield pool[i % len(pool)]
 
 
+def local_batch(X, Y, rank: int, world: int, b: int, micro: int = 0):
+    """This rank's rows of a global batch (zerotrain.data.sampler.local_rows)."""
+    rows = local_rows(micro, rank, world, b)
+    return X[rows], Y[rows]
+
+
 def full_params(engine) -> dict[str, torch.Tensor]:
-    """Every parameter in full, fp32 master if there is one (gathers under ZeRO-3)."""
-    s = engine.strategy
-    out = {}
-    for u in s.units:
-        if s.shards_params:
-            s._gather(u, async_op=False)
-        for slot in u.slots:
-            out[slot.name] = slot.param.detach().float().clone()
-        if s.shards_params:
-            s._free(u)
-    return out
+    """Every parameter in full (gathered under ZeRO-3), as fp32."""
+    with engine.full_parameters():
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
 def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -> dict:
@@ -73,8 +72,7 @@ def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -
     for X, Y in batches(steps):
         total = 0.0
         for m in range(accum):
-            lo = (m * n + rank) * b
-            x, y = X[lo:lo + b], Y[lo:lo + b]
+            x, y = local_batch(X, Y, rank, n, b, m)
             loss = eng(x, y) if model_fn is None else eng(input_ids=x, labels=y).loss
             eng.backward(loss)
             info = eng.step()
@@ -83,7 +81,7 @@ def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -
         losses.append(float(eng.comm.all_reduce_scalars([total / accum])[0]) / n)
         norms.append(info.grad_norm)
         traffic.append(eng.last_traffic_bytes[0])
-    mem = eng.strategy.memory_breakdown()
+    mem = eng.strategy.memory_breakdown(eng.optimizer.state.values())
     res = {"params": full_params(eng), "losses": losses, "norms": norms, "traffic": traffic,
            "memory": mem, "buffer_numels": eng.strategy.buffer_numels(),
            "numel": sum(p.numel() for p in eng.module.parameters()),

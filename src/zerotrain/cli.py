@@ -128,7 +128,7 @@ def cmd_sample(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from zerotrain.checkpoint.state import full_state_dict
+    from zerotrain.checkpoint import full_state_dict
     from zerotrain.config import build_config
     from zerotrain.data.corpus import decode, encode
     from zerotrain.models.gpt import GPT
@@ -152,7 +152,7 @@ def cmd_export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from zerotrain.checkpoint.state import export
+    from zerotrain.checkpoint import export
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     out = export(a.checkpoint, a.out, dtype)

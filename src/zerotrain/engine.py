@@ -10,12 +10,18 @@ The engine never looks at the ZeRO stage: the config picks a Strategy class and 
 engine only calls the Strategy interface. The order of one optimizer step is the
 textbook one — finish gradient traffic, global norm (overflow = non-finite norm, the
 same on every rank), unscale and clip in one multiply, update, publish weights.
+
+It is Stateful (`state_dict` / `load_state_dict`, torch DCP's pattern): checkpoints
+save and restore it without reaching inside. DeepSpeed's common engine methods are
+in `engine_api.py`.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +31,14 @@ from torch import nn
 from zerotrain.comm.collectives import Comm
 from zerotrain.comm.dist import init_distributed, launched_by_torchrun, pick_device
 from zerotrain.config import Config, build_config
+from zerotrain.engine_api import DeepSpeedAPI
+from zerotrain.models import Group, Plan, plan_for
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.numerics.scaler import LossScaler
 from zerotrain.optim import build_optimizer, is_elementwise
 from zerotrain.optim.schedule import lr_from_config
 from zerotrain.zero import Strategy, strategy_class
+from zerotrain.zero.state import WeightReader
 
 
 @dataclass
@@ -42,38 +51,28 @@ class StepInfo:
     skipped_total: int
 
 
-# Optimizer groups. 0: matrices (decayed; Muon's orthogonalised update), 1: biases and
-# norm gains (not decayed), 2: embeddings and the output head (decayed; Muon leaves them
-# to its AdamW fallback, as its authors recommend).
-GROUP_OPTIONS = {0: {"decay": True}, 1: {"decay": False}, 2: {"decay": True, "use_muon": False}}
-
-
-def param_grouper(model: nn.Module, cfg: Config):
-    # embeddings, and an output head: a Linear child of the root that emits the vocabulary
-    edge = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    edge += [m for m in model.children() if isinstance(m, nn.Linear)
-             and m.out_features == cfg.model.vocab_size]
-    edge_ids = {id(p) for m in edge for p in m.parameters()}
-
-    def group_of(name: str, p: nn.Parameter) -> int:
-        if p.ndim < 2 and not cfg.optimizer.decay_1d:
-            return 1
-        return 2 if id(p) in edge_ids else 0
-    return group_of
-
-
 def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
-    out = {}
-    for g, opt in GROUP_OPTIONS.items():
-        h: dict[str, Any] = {"weight_decay": cfg.optimizer.weight_decay if opt["decay"] else 0.0}
-        if cfg.optimizer.name == "muon":
-            h["use_muon"] = opt.get("use_muon")  # None: Muon for 2-D, AdamW otherwise
-        out[g] = h
-    return out
+    """Per optimizer group: weight decay, and for Muon which path the group takes.
+
+    Embeddings and the head are decayed but stay on Muon's AdamW fallback, as its
+    authors recommend; biases and norm gains are decayed only with `decay_1d`.
+    """
+    wd = cfg.optimizer.weight_decay
+    out: dict[int, dict[str, Any]] = {
+        Group.MATRIX: {"weight_decay": wd},
+        Group.VECTOR: {"weight_decay": wd if cfg.optimizer.decay_1d else 0.0},
+        Group.EMBEDDING: {"weight_decay": wd},
+    }
+    if cfg.optimizer.name == "muon":  # None: Muon for 2-D tensors, AdamW otherwise
+        out[Group.MATRIX]["use_muon"] = None
+        out[Group.VECTOR]["use_muon"] = False
+        out[Group.EMBEDDING]["use_muon"] = False
+    return {int(g): h for g, h in out.items()}
 
 
-class Engine:
-    def __init__(self, model: nn.Module, config: Config, device: torch.device | None = None):
+class Engine(DeepSpeedAPI):
+    def __init__(self, model: nn.Module, config: Config, device: torch.device | None = None,
+                 plan: Plan | None = None):
         self.config = config
         self.policy = PrecisionPolicy.from_config(config.precision)
         self.comm = Comm(config.comm.algorithm,
@@ -81,19 +80,20 @@ class Engine:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = device or pick_device(config.train.device, local_rank)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        model.to(device=self.device, dtype=self.policy.param_dtype)
         self.module = model
+        self.plan = plan or plan_for(model)
         self.strategy: Strategy = strategy_class(config.zero)(
-            model, self.policy, self.comm, config.zero, self.device, param_grouper(model, config),
+            model, self.plan, self.policy, self.comm, config.zero, self.device,
             keep_shapes=not is_elementwise(config.optimizer.name),
         )
         groups = self.strategy.param_groups(group_hyperparameters(config))
         self.optimizer = build_optimizer(config.optimizer, groups)
-        self.strategy.optimizer = self.optimizer
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps
         self.micro_step = 0
         self.global_step = 0
+        self.last_info: StepInfo | None = None
+        self._no_sync = False
         self.last_traffic: dict = {}
         self.last_traffic_bytes = (0, 0)
 
@@ -121,11 +121,13 @@ class Engine:
         Folding 1/(accum·N) into the loss makes the summed reduction an average over the
         global batch with no extra pass over the gradients.
         """
-        self.strategy.pre_backward(self.is_boundary())
+        self.strategy.pre_backward(self.is_boundary() and not self._no_sync)
         factor = self.scaler.scale / (self.accum * self.world_size)
         (loss.float() * factor).backward()
 
     def step(self) -> StepInfo | None:
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside no_sync(): leave the block first")
         boundary = self.is_boundary()
         self.micro_step += 1
         if not boundary:
@@ -153,7 +155,64 @@ class Engine:
         self.last_traffic = self.comm.counter.snapshot()
         self.last_traffic_bytes = self.comm.counter.total()
         self.comm.counter.reset()
-        return StepInfo(self.global_step, lr, grad_norm, not finite, scale, self.scaler.skipped)
+        self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite, scale,
+                                  self.scaler.skipped)
+        return self.last_info
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter of `module` usable in full inside the block: ZeRO-3 gathers
+        them (a collective: every rank must enter), other stages hold them anyway."""
+        with self.strategy.full_parameters():
+            yield
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs, in this rank's own layout.
+
+        "meta" describes that layout (units, this rank's optimizer tensors) and the model
+        (parameter names, shapes, tied aliases), so a checkpoint can be checked and cut
+        again for another world size or stage without the model.
+        """
+        return {
+            "strategy": self.strategy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "counters": {"global_step": self.global_step, "micro_step": self.micro_step},
+            "rng": rng_state(self.device),
+            "buffers": buffers(self.module),
+            "meta": {"layout": self.strategy.layout(),
+                     "rank_layout": self.strategy.rank_layout(),
+                     "aliases": aliases(self.module),
+                     "optimizer": self.config.optimizer.name,
+                     "config": self.config.to_dict()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from a state dict in this engine's layout (see `checkpoint/`).
+
+        Hyper-parameters (lr schedule, betas, decay …) are this run's config; the
+        optimizer's *state* (moments, steps) comes from `sd`.
+        """
+        self.strategy.load_state_dict(sd["strategy"])
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": sd["optimizer"]["state"],
+                                        "param_groups": groups})
+        self.scaler.load_state_dict(sd["scaler"])
+        self.global_step = int(sd["counters"]["global_step"])
+        self.micro_step = int(sd["counters"]["micro_step"])
+        if sd.get("rng"):
+            set_rng_state(sd["rng"], self.device)
+        named = dict(self.module.named_buffers())
+        with torch.no_grad():
+            for name, value in sd.get("buffers", {}).items():
+                if name in named:
+                    named[name].copy_(value)
+
+    def load_weights(self, read: WeightReader) -> None:
+        """Set the weights from full per-parameter tensors; this rank reads only what it
+        keeps (`read(name, start, stop)` gives flat elements of parameter `name`)."""
+        self.strategy.load_weights(read)
 
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> dict[str, Any]:
@@ -163,7 +222,7 @@ class Engine:
         rep: dict[str, Any] = {
             "rank": self.rank, "world_size": self.world_size, "strategy": self.strategy.name,
             "precision": self.policy.describe(),
-            "model_states": self.strategy.memory_breakdown(),
+            "model_states": self.strategy.memory_breakdown(self.optimizer.state.values()),
             "buffer_numels": self.strategy.buffer_numels(),
         }
         rep.update(measured_process_memory(self.device))
@@ -171,6 +230,36 @@ class Engine:
 
     def close(self) -> None:
         self.strategy.close()
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent non-parameter state (e.g. running statistics), as state_dict names it."""
+    param_ids = {id(p) for p in module.parameters()}
+    return {name: b for name, b in module.state_dict(keep_vars=True).items()
+            if id(b) not in param_ids and isinstance(b, torch.Tensor)}
+
+
+def aliases(module: nn.Module) -> dict[str, str]:
+    """state_dict name -> canonical parameter name (tied weights share one canonical)."""
+    canon: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        canon.setdefault(id(p), name)
+        out[name] = canon[id(p)]
+    return out
 
 
 def initialize(model: nn.Module, config: Config | dict | None = None,

@@ -17,12 +17,12 @@ from zerotrain.memory import (
     activation_bytes,
     activation_dtype_bytes,
     bytes_per_param,
-    gpt_largest_unit,
-    gpt_param_count,
     max_params,
     model_state_bytes,
     traffic_per_step,
 )
+from zerotrain.models import model_size
+from zerotrain.optim import state_bytes_per_param
 
 # ----------------------------------------------------------------------------- CLI
 
@@ -122,9 +122,9 @@ def _resolve(args: argparse.Namespace) -> dict:
         "activations": 0, "largest_unit": 0,
     }
     try:
-        s["bytes_per_param"] = asdict(bytes_per_param(
-            s["precision"], s["optimizer"], grad_dtype=s["grad_dtype"], momentum=s["momentum"]
-        ))
+        k = state_bytes_per_param(s["optimizer"], s["momentum"])
+        s["bytes_per_param"] = asdict(bytes_per_param(s["precision"], k,
+                                                      grad_dtype=s["grad_dtype"]))
     except ValueError as e:
         raise _UsageError(str(e)) from None
     if cfg is not None:
@@ -135,7 +135,8 @@ def _resolve(args: argparse.Namespace) -> dict:
             raise _UsageError(f"--micro-batch must be >= 1 and --seq in 1..{mc.block_size} "
                               f"(model.block_size); got {b} and {seq}")
         ckpt = pick(args.activation_checkpointing, lambda: mc.activation_checkpointing, False)
-        s.update(psi=gpt_param_count(mc), largest_unit=gpt_largest_unit(mc), micro_batch=b,
+        psi, largest = model_size(mc)
+        s.update(psi=psi, largest_unit=largest, micro_batch=b,
                  seq=seq, activation_checkpointing=ckpt,
                  activations=activation_bytes(mc, b, seq, checkpointing=ckpt,
                                               act_bytes=activation_dtype_bytes(s["precision"])))

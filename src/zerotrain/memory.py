@@ -1,7 +1,7 @@
-"""The memory and traffic model of SPEC §4–6, as formulas, plus `zerotrain estimate`.
+"""The memory and traffic model (docs/design.md: ZeRO), as formulas, plus measurement.
 
-Everything here is arithmetic on element counts and bytes per element; nothing is
-allocated (parameter counting builds the model on the `meta` device). The engine's
+Everything here is arithmetic on element counts and bytes per element: it knows no
+model and no optimizer class (their sizes and K come in as numbers). The engine's
 measured memory audit is held against these numbers, so padding is explicit: a flat
 buffer of P elements that is partitioned over N ranks is padded to N·ceil(P/N), and each
 rank owns `shard_numel(P, N) = ceil(P/N)` of it.
@@ -15,62 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from zerotrain.config import ModelConfig
 
 FIELDS = ("params", "grads", "master", "optimizer")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
-
-# ----------------------------------------------------------------------------- counting
-
-
-def _as_module(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
-    if isinstance(model_or_factory, nn.Module):
-        return model_or_factory
-    with torch.device("meta"):  # shapes only: a 70B model costs no memory to count
-        return model_or_factory()
-
-
-def count_params(model_or_factory: nn.Module | Callable[[], nn.Module]) -> int:
-    """Unique parameter elements; tied weights count once (parameters() de-duplicates)."""
-    return sum(p.numel() for p in _as_module(model_or_factory).parameters())
-
-
-def unit_param_counts(model_or_factory: nn.Module | Callable[[], nn.Module]) -> dict[str, int]:
-    """Elements per ZeRO-3 gather unit: each child of the first ModuleList, plus "root".
-
-    ZeRO-3 materialises one unit at a time, so the largest unit sets the transient
-    gathered memory. A tied weight belongs to the unit that names it first.
-    """
-    model = _as_module(model_or_factory)
-    prefix = next((n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)), None)
-    units: dict[str, int] = {}
-    for name, p in model.named_parameters():
-        unit = "root"
-        if prefix is not None and name.startswith(prefix + "."):
-            unit = ".".join(name.split(".")[: prefix.count(".") + 2])
-        units[unit] = units.get(unit, 0) + p.numel()
-    return units
-
-
-def largest_unit_params(model_or_factory: nn.Module | Callable[[], nn.Module]) -> int:
-    return max(unit_param_counts(model_or_factory).values(), default=0)
-
-
-def _gpt_factory(model_cfg: ModelConfig) -> Callable[[], nn.Module]:
-    from zerotrain.models.gpt import GPT
-
-    return lambda: GPT(model_cfg)
-
-
-def gpt_param_count(model_cfg: ModelConfig) -> int:
-    return count_params(_gpt_factory(model_cfg))
-
-
-def gpt_largest_unit(model_cfg: ModelConfig) -> int:
-    return largest_unit_params(_gpt_factory(model_cfg))
-
 
 # ----------------------------------------------------------------------------- bytes/param
 
@@ -97,12 +46,11 @@ def precision_bytes(precision: str, grad_dtype: str = "compute") -> tuple[int, i
     return 2, grad, 0 if precision == "bf16-pure" else 4
 
 
-def bytes_per_param(precision: str = "bf16", optimizer: str = "adamw", *,
-                    grad_dtype: str = "compute", momentum: float = 0.0) -> BytesPerParam:
-    from zerotrain.optim import state_bytes_per_param
-
+def bytes_per_param(precision: str = "bf16", optim_bytes: int = 8, *,
+                    grad_dtype: str = "compute") -> BytesPerParam:
+    """`optim_bytes`: the optimizer's K (`zerotrain.optim.state_bytes_per_param`)."""
     p, g, m = precision_bytes(precision, grad_dtype)
-    return BytesPerParam(p, g, m, state_bytes_per_param(optimizer, momentum))
+    return BytesPerParam(p, g, m, optim_bytes)
 
 
 def activation_dtype_bytes(precision: str) -> int:
@@ -205,11 +153,10 @@ def model_state_bytes(
 
 
 def estimate(psi: int, world_size: int, stage: int, *, precision: str = "bf16",
-             optimizer: str = "adamw", grad_dtype: str = "compute", offload: bool = False,
-             momentum: float = 0.0, largest_unit: int = 0,
-             activations: int = 0) -> MemoryEstimate:
-    """`model_state_bytes` with the bytes per parameter looked up from names."""
-    bpp = bytes_per_param(precision, optimizer, grad_dtype=grad_dtype, momentum=momentum)
+             optim_bytes: int = 8, grad_dtype: str = "compute", offload: bool = False,
+             largest_unit: int = 0, activations: int = 0) -> MemoryEstimate:
+    """`model_state_bytes` with the param/grad/master bytes looked up from the precision."""
+    bpp = bytes_per_param(precision, optim_bytes, grad_dtype=grad_dtype)
     est = model_state_bytes(
         psi, world_size, stage, param_bytes=bpp.params, grad_bytes=bpp.grads,
         master_bytes=bpp.master, optim_bytes=bpp.optimizer, offload=offload,
@@ -386,14 +333,10 @@ def measured_process_memory(device: torch.device | None = None) -> dict[str, int
     (`Strategy.memory_breakdown`) is the part the formulas predict.
     """
     out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    out["rss_bytes" if key == "VmRSS" else "peak_rss_bytes"] = (
-                        int(rest.split()[0]) * 1024)
-    except OSError:
+    status = proc_status()
+    if status:
+        out["rss_bytes"], out["peak_rss_bytes"] = status["VmRSS"], status["VmHWM"]
+    else:
         import resource
 
         out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -401,3 +344,29 @@ def measured_process_memory(device: torch.device | None = None) -> dict[str, int
         out["cuda_allocated_bytes"] = torch.cuda.memory_allocated(device)
         out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     return out
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """The byte-valued fields of /proc/<pid>/status (VmRSS, VmHWM, ...); {} off Linux."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (Linux ≥ 4.0: write 5 to clear_refs), so the next
+    reading is the peak of a phase; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -1,21 +1,23 @@
-"""Sharded, atomic checkpoints that never unpickle code.
+"""Sharded, atomic, checksummed checkpoints that never unpickle code.
 
 Layout of one checkpoint (a directory):
 
     <root>/step_00000100/
-        meta.json                  config, step, layout of every flat unit, scaler state
-        rank00000.safetensors      this rank's master-weight shards + optimizer-state shards
-        rank00000.json             optimizer hyper-parameters, segment table, scalar state
+        meta.json                  manifest: config, step, layout, counters, checksums
+        rank00000.safetensors      this rank's tensors (master shards, optimizer state, RNG)
+        rank00000.json             this rank's cut of the layout, optimizer groups, scalars
     <root>/latest                  name of the newest complete checkpoint
 
-Atomicity: every rank writes into `step_X.tmp/`; after a barrier rank 0 renames the
-directory and then replaces `latest` (write temp + os.replace). A run killed at any
-moment leaves `latest` naming a complete checkpoint. Loading reads only safetensors and
-JSON, so a checkpoint cannot execute code.
+Atomicity: every rank writes into `step_X.tmp/`; after a barrier rank 0 records every
+file's SHA-256 in `meta.json`, renames the directory, then replaces `latest` (write temp
++ os.replace). A run killed at any moment leaves `latest` naming a complete checkpoint.
+Loading verifies the checksum of every file it reads and reads only safetensors and JSON,
+so a damaged checkpoint is named instead of loaded, and none can execute code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,15 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from zerotrain.comm.dist import barrier
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # 1: before checksums and flat optimizer tensors
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, or incompatible with the config."""
+    """A checkpoint that is missing, incomplete, damaged or incompatible."""
 
 
 def step_dir_name(step: int) -> str:
@@ -45,7 +48,8 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory from a root (follows `latest`) or a step directory."""
+    """A checkpoint directory from a root (follows `latest`), a step directory, or a run
+    folder whose `checkpoints/` holds them."""
     p = Path(path).expanduser()
     if (p / "meta.json").is_file():
         return p
@@ -54,20 +58,47 @@ def resolve(path: str | Path) -> Path:
         if (q / "meta.json").is_file():
             return q
         raise CheckpointError(f"'{p}/latest' names '{q.name}', which is incomplete or missing")
+    if (p / "checkpoints").is_dir():
+        return resolve(p / "checkpoints")
     if p.is_dir():
         raise CheckpointError(f"'{p}' holds no checkpoint (no meta.json and no 'latest' file); "
                               "pass the checkpoint root or one of its step_* folders")
     raise CheckpointError(f"checkpoint '{p}' does not exist")
 
 
-def read_meta(ckpt: Path) -> dict[str, Any]:
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete step folders under a root, oldest first by their recorded save order."""
+    done = [p for p in root.glob("step_*") if (p / "meta.json").is_file()
+            and not p.name.endswith((".tmp", ".old"))]
+    return sorted(done, key=lambda p: (_saved_at(p), p.name))
+
+
+def _saved_at(ckpt: Path) -> float:
     try:
-        meta = json.loads((ckpt / "meta.json").read_text())
+        return float(json.loads((ckpt / "meta.json").read_text()).get("saved_at", 0.0))
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read '{ckpt / 'meta.json'}': {e}") from None
-    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"cannot read '{path}': {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"'{path}' is damaged: expected a JSON object")
+    return data
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    meta = read_json(ckpt / "meta.json")
+    if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"'{ckpt}' has checkpoint format {meta.get('format')}, this "
-                              f"zerotrain reads format {FORMAT_VERSION}")
+                              f"zerotrain reads formats {READABLE_FORMATS}")
+    missing = [k for k in ("layout", "global_step", "micro_step", "scaler", "world_size")
+               if k not in meta]
+    if missing:
+        raise CheckpointError(f"'{ckpt / 'meta.json'}' is damaged: it lacks {', '.join(missing)}")
     return meta
 
 
@@ -75,20 +106,44 @@ def rank_files(ckpt: Path, rank: int) -> tuple[Path, Path]:
     return ckpt / f"rank{rank:05d}.safetensors", ckpt / f"rank{rank:05d}.json"
 
 
-def read_rank(ckpt: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    st, js = rank_files(ckpt, rank)
-    if not st.is_file() or not js.is_file():
-        raise CheckpointError(f"'{ckpt}' lacks the files of rank {rank} ({st.name}); the "
-                              "checkpoint is incomplete")
-    return load_file(st), json.loads(js.read_text())
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(ckpt: Path, meta: dict[str, Any], files: list[Path]) -> None:
+    """Compare files against the manifest's checksums (format 2 and later)."""
+    sums = meta.get("checksums")
+    if sums is None:
+        return
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"'{f}' is missing: the checkpoint is incomplete")
+        want = sums.get(f.name)
+        if want is None or sha256(f) != want:
+            raise CheckpointError(f"'{f}' is damaged (its checksum does not match the "
+                                  "manifest)")
+
+
+def _write_rank(tmp: Path, rank: int, tensors: dict[str, torch.Tensor],
+                rank_meta: dict[str, Any]) -> None:
+    st, js = rank_files(tmp, rank)
+    # one host tensor at a time: no device-side copy of the whole state (safetensors also
+    # refuses views that share storage, hence the copy)
+    host = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    save_file(host, str(st))
+    js.write_text(json.dumps(dict(rank_meta, sha256=sha256(st))))
 
 
 def save_sharded(root: str | Path, step: int, rank: int, world: int,
                  tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any],
-                 meta: dict[str, Any], keep: int) -> Path:
+                 meta: dict[str, Any], keep: int, name: str | None = None) -> Path:
     """Collective: every rank calls it with its own shards; rank 0 also writes meta."""
     root = Path(root)
-    final = root / step_dir_name(step)
+    final = root / (name or step_dir_name(step))
     tmp = root / (final.name + ".tmp")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -96,32 +151,55 @@ def save_sharded(root: str | Path, step: int, rank: int, world: int,
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
-    st, js = rank_files(tmp, rank)
-    # safetensors refuses views that share storage; checkpoint time can afford a copy.
-    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(st))
-    js.write_text(json.dumps(rank_meta))
+    _write_rank(tmp, rank, tensors, rank_meta)
     barrier()
     if rank == 0:
-        meta = dict(meta, format=FORMAT_VERSION, step=step, world_size=world)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():  # re-saving the same step: move the old one aside first
-            old = root / (final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _atomic_write_text(root / "latest", final.name)
-        _prune(root, keep)
+        _finish(root, tmp, final, world, dict(meta, step=step), keep)
     barrier()
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(
-        (".tmp", ".old")))
-    for p in done[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+def _finish(root: Path, tmp: Path, final: Path, world: int, meta: dict[str, Any],
+            keep: int) -> None:
+    import time
+
+    sums = {}
+    for r in range(world):
+        st, js = rank_files(tmp, r)
+        sums[st.name] = read_json(js)["sha256"]
+        sums[js.name] = sha256(js)
+    meta = dict(meta, format=FORMAT_VERSION, world_size=world, checksums=sums,
+                saved_at=time.time())
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    mode = _file_mode()
+    for f in tmp.iterdir():  # one permission for every file, whatever wrote it
+        f.chmod(mode)
+    if final.exists():  # re-saving the same step: move the old one aside first
+        old = root / (final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _atomic_write_text(root / "latest", final.name)
+    prune(root, keep, run_id=meta.get("run_id"))
+
+
+def _file_mode() -> int:
+    """The mode a plain `open()` gives a new file under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def prune(root: Path, keep: int, run_id: str | None = None) -> None:
+    """Keep this run's `keep` most recent checkpoints; never touch another run's."""
+    mine = [p for p in complete_checkpoints(root)
+            if run_id is None or read_json(p / "meta.json").get("run_id") == run_id]
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    for p in mine[:-keep]:
+        if p.name != latest:
+            shutil.rmtree(p, ignore_errors=True)
     for p in root.glob("step_*.tmp"):  # leftovers of a save that was killed
         shutil.rmtree(p, ignore_errors=True)

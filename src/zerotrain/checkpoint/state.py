@@ -1,262 +1,250 @@
-"""What goes into a checkpoint, and how it comes back — at any world size or stage.
+"""Saving and restoring a Stateful object (the engine) through its state dict.
 
-Each rank saves exactly what it owns: its master-weight shard of every flat unit and the
-optimizer state of its optimizer tensors, plus a segment table saying which flat range
-of which unit each optimizer tensor covers. That table is enough to rebuild full
-per-parameter tensors without the model (`consolidate`), which gives three things:
-exact resume (same layout: load the shards directly), resharding (different world size
-or stage: consolidate, then cut again) and export to a plain safetensors file.
+`save(state, ...)` flattens an engine-shaped state dict into this rank's safetensors
+file (tensors, optimizer tensors flat) and JSON (its cut of the layout, optimizer groups,
+scalars); rank 0 adds the manifest. `load(path, template, rank)` returns a state dict
+shaped like `template` (the running engine's own `state_dict()`): read straight from
+this rank's file when the layout is the same, cut again from every rank's files
+(`reshard.py`) when the world size or stage differ. This module never sees the engine
+itself, only state dicts.
+
+One rule for what a resume takes from where: the checkpoint gives the *state* (weights,
+optimizer moments and step counts, loss scale, counters, RNG when the world size is the
+same); the config gives every *setting* (learning rate and schedule, betas, decay …).
+`config_changes` lists the settings that differ, so the caller can say so.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from zerotrain.checkpoint.io import (
     CheckpointError,
+    rank_files,
+    read_json,
     read_meta,
-    read_rank,
     resolve,
     save_sharded,
+    verify,
 )
+from zerotrain.checkpoint.reshard import SCALAR_STATES, SavedShards
+from zerotrain.zero.flat import gather_range
 
-if TYPE_CHECKING:
-    from zerotrain.engine import Engine
-
-SCALAR_STATES = ("step",)  # every other optimizer state is elementwise
-#: Optimizer group options that say how to compute, not what: taken from the running
-#: config on resume, never from the checkpoint.
+#: Optimizer group options that say how to compute, not what: never compared.
 RUNTIME_OPTIONS = ("compiled",)
+#: Config fields whose change on resume alters the optimization (warned about).
+WATCHED = ("optimizer", "schedule", "train.steps", "data.micro_batch_size",
+           "data.grad_accum_steps", "precision.dtype")
 
 
-def _aliases(module: torch.nn.Module) -> dict[str, str]:
-    """state_dict name -> canonical parameter name (tied weights share one canonical)."""
-    canon: dict[int, str] = {}
-    out = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        canon.setdefault(id(p), name)
-        out[name] = canon[id(p)]
-    return out
+@dataclass
+class Loaded:
+    path: Path
+    meta: dict[str, Any]
+    resharded: bool
+    optimizer_reset: bool = False
+    client_state: Any = None
+    changes: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- save
 
 
-def save_engine(engine: Engine, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    s, opt = engine.strategy, engine.optimizer
-    tensors: dict[str, Tensor] = dict(s.master_shards())
-    sd = opt.state_dict()
+def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world: int,
+         keep: int, run_id: str | None = None, client_state: Any = None,
+         name: str | None = None) -> Path:
+    """Collective: write `state` (an engine state dict) as one sharded checkpoint."""
+    tensors: dict[str, Tensor] = {f"strategy.{k}": v for k, v in state["strategy"].items()}
     scalars: dict[str, Any] = {}
-    for idx, st in sd["state"].items():
-        for name, v in st.items():
+    for idx, st in state["optimizer"]["state"].items():
+        for n, v in st.items():
             if isinstance(v, Tensor):
-                tensors[f"optim.{idx}.{name}"] = v
+                tensors[f"optim.{idx}.{n}"] = v.reshape(-1) if v.ndim else v
             else:
-                scalars[f"{idx}.{name}"] = v
-    tensors["rng.cpu"] = torch.get_rng_state()
-    if engine.device.type == "cuda":
-        tensors["rng.cuda"] = torch.cuda.get_rng_state(engine.device)
-    if engine.rank == 0:
-        param_ids = {id(p) for p in engine.module.parameters()}
-        for name, b in engine.module.state_dict(keep_vars=True).items():
-            if id(b) not in param_ids and isinstance(b, Tensor):
-                tensors[f"buffer.{name}"] = b
-    rank_meta = {
-        "segments": s.segment_table(),
-        "opt_ranges": [list(s.opt_range(u)) for u in s.units],
-        "param_groups": sd["param_groups"],
-        "scalar_state": scalars,
-    }
-    meta = {
-        "config": engine.config.to_dict(),
-        "layout": s.layout(),
-        "aliases": _aliases(engine.module),
-        "global_step": engine.global_step,
-        "micro_step": engine.micro_step,
-        "scaler": engine.scaler.state_dict(),
-        **(extra or {}),
-    }
-    return save_sharded(root, engine.global_step, engine.rank, engine.world_size, tensors,
-                        rank_meta, meta, engine.config.checkpoint.keep)
+                scalars[f"{idx}.{n}"] = v
+    tensors.update({f"rng.{k}": v for k, v in state["rng"].items()})
+    if rank == 0:
+        tensors.update({f"buffer.{k}": v for k, v in state["buffers"].items()})
+    meta_in = state["meta"]
+    rank_meta = {**meta_in["rank_layout"], "param_groups": state["optimizer"]["param_groups"],
+                 "scalar_state": scalars}
+    try:
+        json.dumps(client_state)
+    except TypeError as e:
+        raise CheckpointError(f"client_state must be JSON-serialisable: {e}") from None
+    meta = {"config": meta_in["config"], "layout": meta_in["layout"],
+            "aliases": meta_in["aliases"], "optimizer": meta_in["optimizer"],
+            "scaler": state["scaler"], **state["counters"], "run_id": run_id,
+            "client_state": client_state}
+    return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name)
 
 
 # ----------------------------------------------------------------------------- load
 
 
-def _check_model(meta: dict, engine: Engine) -> None:
-    saved = meta["config"]["model"]
-    now = engine.config.model.model_dump(mode="json")
-    diff = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
-            for k, v in now.items() if saved.get(k) != v]
-    if diff:
-        raise CheckpointError("the checkpoint was trained with a different model (" +
-                              "; ".join(diff) + "); use the checkpoint's model settings")
-
-
-def load_engine(engine: Engine, path: str | Path) -> dict[str, Any]:
-    """Restore weights, optimizer, scaler and counters; returns the checkpoint's meta."""
+def load(path: str | Path, template: dict[str, Any], rank: int,
+         reset_optimizer: bool = False) -> tuple[dict[str, Any], Loaded]:
+    """A state dict in `template`'s layout from the checkpoint at `path`."""
     ckpt = resolve(path)
     meta = read_meta(ckpt)
-    _check_model(meta, engine)
-    s, opt = engine.strategy, engine.optimizer
-    same_layout = meta["layout"] == s.layout()
-    tensors: dict[str, Tensor] | None = None
-    if same_layout:
-        tensors, rmeta = read_rank(ckpt, engine.rank)
-        # Same units, but the optimizer tensors cut differently (stage 0 used to hand the
-        # optimizer one tensor per parameter, now one flat run per group): the weights are
-        # the same, so reshard the optimizer state. The cut follows from the layout and
-        # the optimizer alone, so every rank takes the same branch (both branches run
-        # collectives).
-        same_layout = rmeta["segments"] == s.segment_table()
-    if same_layout:
-        assert tensors is not None
-        s.load_master_shards(tensors)
-        state: dict[int, dict[str, Any]] = {}
-        for key, v in tensors.items():
-            if key.startswith("optim."):
-                _, idx, name = key.split(".", 2)
-                state.setdefault(int(idx), {})[name] = v
-        for key, v in rmeta["scalar_state"].items():
-            idx, name = key.split(".", 1)
-            state.setdefault(int(idx), {})[name] = v
-        opt.load_state_dict({"state": state, "param_groups": rmeta["param_groups"]})
-        # how to run the update is this run's choice, not the checkpoint's
-        for g in opt.param_groups:
-            g.update({k: v for k, v in opt.defaults.items() if k in RUNTIME_OPTIONS})
-    else:
-        weights, states, _ = consolidate(ckpt)
-        _load_resharded(engine, weights, states)
-    if tensors is not None:  # this rank's own generator state (same world size)
-        torch.set_rng_state(tensors["rng.cpu"])
-        if "rng.cuda" in tensors and engine.device.type == "cuda":
-            torch.cuda.set_rng_state(tensors["rng.cuda"], engine.device)
-    engine.global_step = int(meta["global_step"])
-    engine.micro_step = int(meta["micro_step"])
-    engine.scaler.load_state_dict(meta["scaler"])
-    return meta
+    check_model(meta["layout"], template["meta"]["layout"],
+                order=list(template["meta"]["aliases"].values()))
+    reset = check_optimizer(meta, template["meta"]["optimizer"], reset_optimizer)
+    same = (meta["layout"]["units"] == template["meta"]["layout"]["units"]
+            and meta["world_size"] == template["meta"]["layout"]["world_size"])
+    tensors: dict[str, Tensor] = {}
+    rmeta: dict[str, Any] = {}
+    if same:
+        tensors, rmeta = _read_rank(ckpt, meta, rank)
+        # the same units can still be cut differently for the optimizer (e.g. Muon keeps
+        # per-matrix tensors); that follows from layout and optimizer alone, so every
+        # rank takes the same branch
+        same = _cut(rmeta) == _cut(template["meta"]["rank_layout"])
+    sd = _same_layout(tensors, rmeta, template) if same else _resliced(ckpt, meta, template)
+    if reset:
+        sd["optimizer"] = {"state": {}}
+    sd.update(scaler=meta["scaler"],
+              counters={"global_step": int(meta["global_step"]),
+                        "micro_step": int(meta["micro_step"])})
+    info = Loaded(ckpt, meta, not same, reset, meta.get("client_state"),
+                  config_changes(meta.get("config", {}), template["meta"]["config"]))
+    return sd, info
 
 
-def _load_resharded(engine: Engine, weights: dict[str, Tensor],
-                    states: dict[str, dict[str, Tensor]]) -> None:
-    """Cut consolidated per-parameter tensors along this engine's own layout."""
-    s, opt = engine.strategy, engine.optimizer
+def _cut(rank_layout: dict) -> tuple:
+    return ([list(r) for r in rank_layout["opt_ranges"]],
+            [list(s[:3]) for s in rank_layout["segments"]])
 
-    def gather_range(u, lo: int, hi: int, source: dict[str, Tensor], dtype) -> Tensor:
-        out = torch.zeros(hi - lo, dtype=dtype)
-        for slot in u.slots:
-            a, b = max(lo, slot.offset), min(hi, slot.end)
-            if a < b:
-                if slot.name not in source:
-                    raise CheckpointError(f"the checkpoint has no tensor for '{slot.name}'")
-                flat = source[slot.name].reshape(-1)
-                out[a - lo:b - lo] = flat[a - slot.offset:b - slot.offset]
+
+def _read_rank(ckpt: Path, meta: dict, rank: int) -> tuple[dict[str, Tensor], dict]:
+    st, js = rank_files(ckpt, rank)
+    if not st.is_file() or not js.is_file():
+        raise CheckpointError(f"'{ckpt}' lacks the files of rank {rank} ({st.name}); the "
+                              "checkpoint is incomplete")
+    verify(ckpt, meta, [st, js])
+    rmeta = read_json(js)
+    for k in ("opt_ranges", "segments", "param_groups"):
+        if k not in rmeta:
+            raise CheckpointError(f"'{js}' is damaged: it lacks '{k}'")
+    try:
+        return load_file(st), rmeta
+    except Exception as e:  # safetensors' own errors: name the file, not the parser
+        raise CheckpointError(f"'{st}' is damaged ({e})") from None
+
+
+def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dict[str, Any]:
+    v1 = not any(k.startswith("strategy.") for k in tensors)
+    strategy = {k: tensors[f"{k}" if v1 else f"strategy.{k}"] for k in template["strategy"]}
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            shape = template["meta"]["rank_layout"]["segments"][int(idx)][3]
+            state.setdefault(int(idx), {})[name] = v if name in SCALAR_STATES else v.view(shape)
+    for key, v in rmeta.get("scalar_state", {}).items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    rng = {k.removeprefix("rng."): v for k, v in tensors.items() if k.startswith("rng.")}
+    buffers = {k.removeprefix("buffer."): v for k, v in tensors.items()
+               if k.startswith("buffer.")}
+    return {"strategy": strategy, "optimizer": {"state": state}, "rng": rng,
+            "buffers": buffers}
+
+
+def _resliced(ckpt: Path, meta: dict, template: dict) -> dict[str, Any]:
+    """Cut every rank's saved shards along the template's layout, reading only this
+    rank's ranges. The RNG is not carried over: rank r of another world size is
+    another stream."""
+    saved = SavedShards(ckpt, meta)
+    layout, cut = template["meta"]["layout"], template["meta"]["rank_layout"]
+    strategy: dict[str, Tensor] = {}
+    for ui, unit in enumerate(layout["units"]):
+        lo, hi = cut["opt_ranges"][ui]
+        dtype = template["strategy"][f"master.{ui}"].dtype
+        strategy[f"master.{ui}"] = gather_range(unit, lo, hi, saved.reader("master"), dtype)
+    state: dict[int, dict[str, Any]] = {}
+    for idx, (ui, a, b, shape) in enumerate(cut["segments"]):
+        unit = layout["units"][ui]
+        params = [p[0] for p in unit["params"]
+                  if p[2] < b and p[2] + torch.Size(p[1]).numel() > a]
+        st: dict[str, Any] = {}
+        for name in saved.state_names(params):
+            if name in SCALAR_STATES:
+                value = next(saved.scalars[(name, p)] for p in params
+                             if (name, p) in saved.scalars)
+                st[name] = torch.tensor(float(value), dtype=torch.float32)
+            else:
+                dtype = strategy[f"master.{ui}"].dtype
+                st[name] = gather_range(unit, a, b, saved.reader(name), dtype).view(shape)
+        if st:
+            state[idx] = st
+    return {"strategy": strategy, "optimizer": {"state": state}, "rng": {},
+            "buffers": saved.buffers()}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_model(saved: dict, current: dict, order: list[str] | None = None) -> None:
+    """Same parameter names and shapes, or one CheckpointError naming the first that
+    differs (in `order`, the model's own parameter order, when given).
+
+    Settings that change no shape (dropout, activation checkpointing) never block.
+    """
+    def shapes(layout: dict) -> dict[str, list[int]]:
+        return {p[0]: list(p[1]) for u in layout["units"] for p in u["params"]}
+
+    a, b = shapes(saved), shapes(current)
+    names = [n for n in dict.fromkeys(order or []) if n in b] + sorted(set(b) - set(order or []))
+    for name in names:
+        shape = b[name]
+        if name not in a:
+            raise CheckpointError(f"the checkpoint has no tensor '{name}' (shape {shape}): "
+                                  "it was saved from a different model")
+        if a[name] != shape:
+            raise CheckpointError(f"tensor '{name}' has shape {a[name]} in the checkpoint "
+                                  f"but {shape} in this model: it was saved from a "
+                                  "different model")
+    extra = sorted(set(a) - set(b))
+    if extra:
+        raise CheckpointError(f"the checkpoint has tensor '{extra[0]}', which this model "
+                              "lacks: it was saved from a different model")
+
+
+def check_optimizer(meta: dict, current: str, reset: bool) -> bool:
+    """True when the optimizer state must be dropped (asked for, with another optimizer)."""
+    saved = meta.get("optimizer") or meta.get("config", {}).get("optimizer", {}).get("name")
+    if saved is None or saved == current:
+        return reset
+    if not reset:
+        raise CheckpointError(
+            f"the checkpoint was trained with optimizer '{saved}', this run uses '{current}'; "
+            "its state cannot carry over. Use the same optimizer, or reset the optimizer "
+            "state (--checkpoint.reset_optimizer true)")
+    return True
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """'section.key: checkpoint X → config Y' for each watched setting that differs."""
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}."))
         return out
 
-    with torch.no_grad():
-        for u in s.units:
-            lo, hi = s.opt_range(u)
-            s.master[u.index].copy_(gather_range(u, lo, hi, weights, s.master[u.index].dtype))
-        for u in s.units:
-            s.publish(u)
-        s.wait_pending()
-    new_state: dict[int, dict[str, Tensor]] = {}
-    for idx, (seg, view) in enumerate(s.opt_segments):
-        u = s.units[seg.unit]
-        names = {n for slot in u.slots if slot.offset < seg.end and slot.end > seg.start
-                 for n in states.get(slot.name, {})}
-        st: dict[str, Tensor] = {}
-        for name in sorted(names):
-            if name in SCALAR_STATES:
-                slot = next(sl for sl in u.slots if sl.offset < seg.end and sl.end > seg.start
-                            and name in states.get(sl.name, {}))
-                st[name] = states[slot.name][name].clone()
-            else:
-                src = {k: v[name] for k, v in states.items() if name in v}
-                st[name] = gather_range(u, seg.start, seg.end, src, view.dtype).view(view.shape)
-        if st:
-            new_state[idx] = st
-    opt.load_state_dict({"state": new_state, "param_groups": opt.state_dict()["param_groups"]})
-
-
-# ----------------------------------------------------------------------------- consolidate
-
-
-def consolidate(path: str | Path, optimizer: bool = True
-                ) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]], dict[str, Any]]:
-    """Full per-parameter master weights (and optimizer states) from every rank's shards."""
-    ckpt = resolve(path)
-    meta = read_meta(ckpt)
-    layout = meta["layout"]
-    units = layout["units"]
-    full: list[Tensor | None] = [None] * len(units)
-    full_states: list[dict[str, Tensor]] = [{} for _ in units]
-    scalar_states: list[list[tuple[int, int, str, Tensor]]] = [[] for _ in units]
-    buffers: dict[str, Tensor] = {}  # non-parameter state, saved by rank 0 only
-    for r in range(layout["world_size"]):
-        tensors, rmeta = read_rank(ckpt, r)
-        buffers.update({k.removeprefix("buffer."): v for k, v in tensors.items()
-                        if k.startswith("buffer.")})
-        for ui, (lo, hi) in enumerate(rmeta["opt_ranges"]):
-            shard = tensors[f"master.{ui}"]
-            if full[ui] is None:
-                full[ui] = torch.zeros(units[ui]["padded_numel"], dtype=shard.dtype)
-            full[ui][lo:hi] = shard
-        if not optimizer:
-            continue
-        for key, v in tensors.items():
-            if not key.startswith("optim."):
-                continue
-            _, idx, name = key.split(".", 2)
-            ui, a, b = rmeta["segments"][int(idx)]
-            if name in SCALAR_STATES:
-                scalar_states[ui].append((a, b, name, v))
-                continue
-            buf = full_states[ui].setdefault(
-                name, torch.zeros(units[ui]["padded_numel"], dtype=v.dtype))
-            buf[a:b] = v.reshape(-1)
-    weights: dict[str, Tensor] = {}
-    states: dict[str, dict[str, Tensor]] = {}
-    for ui, u in enumerate(units):
-        for name, shape, off, _group in u["params"]:
-            n = int(torch.Size(shape).numel())
-            weights[name] = full[ui][off:off + n].view(shape)
-            st = {k: buf[off:off + n].view(shape) for k, buf in full_states[ui].items()}
-            for a, b, sname, v in scalar_states[ui]:
-                if a < off + n and b > off:
-                    st[sname] = v
-            if st:
-                states[name] = st
-    weights.update(buffers)
-    return weights, states, meta
-
-
-def full_state_dict(path: str | Path, dtype: torch.dtype | None = torch.float32
-                    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """A plain `model.state_dict()` (tied names included) from a sharded checkpoint."""
-    weights, _, meta = consolidate(path, optimizer=False)
-    out = {}
-    for name, canon in meta["aliases"].items():
-        out[name] = weights[canon]
-    for k, v in weights.items():
-        out.setdefault(k, v)
-    if dtype is not None:
-        out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
-    return out, meta
-
-
-def export(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write consolidated weights as one safetensors file a plain model can load."""
-    sd, meta = full_state_dict(path, dtype)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(tmp),
-              metadata={"step": str(meta["global_step"]), "format": "zerotrain-export"})
-    tmp.replace(out)
+    a, b = flat(saved), flat(current)
+    out = []
+    for key in sorted(b):
+        watched = any(key == w or key.startswith(w + ".") for w in WATCHED)
+        if watched and key.split(".")[-1] not in RUNTIME_OPTIONS and key in a and a[key] != b[key]:
+            out.append(f"{key}: checkpoint {a[key]!r} → config {b[key]!r}")
     return out

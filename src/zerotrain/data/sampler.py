@@ -60,15 +60,33 @@ class WindowSampler:
         """(inputs, targets) of shape (micro_bs, seq_len) for one rank's micro-step."""
         global_bs = micro_bs * world * accum
         ids = self.window_ids(step * global_bs, global_bs)
-        k = (micro * world + rank) * micro_bs
-        return self.windows(ids[k:k + micro_bs])
+        return self.windows(ids[local_rows(micro, rank, world, micro_bs)])
+
+
+def local_rows(micro: int, rank: int, world: int, micro_bs: int) -> slice:
+    """The rows of a step's global batch that `rank` takes at micro-step `micro`.
+
+    Micro-step-major, then rank: the global batch is the same at any world size and
+    accumulation, which is what makes N ranks comparable with one process.
+    """
+    start = (micro * world + rank) * micro_bs
+    return slice(start, start + micro_bs)
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, rank: int, world: int, micro_bs: int,
                  n_batches: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed validation set (same windows every evaluation), split across ranks."""
+    """A fixed validation set (same windows every evaluation), split across ranks.
+
+    Every rank gets the same number of batches: under ZeRO-3 each forward is a
+    collective, so uneven counts would leave one rank waiting forever.
+    """
     s = WindowSampler(tokens, seq_len, seed)
     total = min(s.n_windows, n_batches * micro_bs * world)
+    total -= total % world
+    if total == 0:
+        raise DataError(f"the validation split has {s.n_windows} window(s) of "
+                        f"model.block_size+1 = {seq_len + 1} tokens, fewer than the "
+                        f"{world} ranks; raise data.val_fraction or give more data")
     ids = s.window_ids(0, total)
     mine = ids[rank::world]
     return [s.windows(mine[i:i + micro_bs]) for i in range(0, len(mine), micro_bs)]

@@ -1,4 +1,4 @@
-"""Flat buffers and one Strategy per ZeRO stage; the config picks the class."""
+"""Units, gradients and one Strategy per ZeRO stage; the config picks the class."""
 
 from __future__ import annotations
 

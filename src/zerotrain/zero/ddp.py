@@ -1,22 +1,22 @@
 """Stage 0 — data parallelism: every rank keeps everything, gradients are all-reduced.
 
-The all-reduce of a unit starts as soon as its last gradient lands (overlapping the
-rest of the backward), and only on the accumulation boundary: earlier micro-steps just
-accumulate locally.
+Gradients accumulate in full (`FullGrads`); a unit's all-reduce starts as soon as its
+last gradient lands (overlapping the rest of the backward), and only on the
+accumulation boundary: earlier micro-steps just accumulate locally.
 """
 
 from __future__ import annotations
 
 from zerotrain.zero.base import Strategy
-from zerotrain.zero.flat import FlatUnit
+from zerotrain.zero.unit import Unit
 
 
 class DDP(Strategy):
     name = "ddp"
     stage = 0
 
-    def launch(self, u: FlatUnit) -> None:
-        buf = self.grad_full[u.index]
+    def reduce_grads(self, u: Unit) -> None:
+        buf = u.grad
         if buf.dtype == self.policy.reduce_dtype:
             self.enqueue(self.comm.all_reduce(buf, async_op=True))
             return

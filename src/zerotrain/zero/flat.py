@@ -1,26 +1,33 @@
-"""Flat buffers and their partition across ranks — the data structure under every stage.
+"""Flat layouts and their partition across ranks — the data structure under every stage.
 
-A `FlatUnit` is a group of parameters laid end to end in one contiguous buffer, padded
+A `FlatUnit` lays a group of parameters end to end in one flat coordinate space, padded
 to a multiple of the world size N so it splits into N equal shards; rank r owns
 elements [r·S, (r+1)·S). Stages 0–2 use units as communication buckets; ZeRO-3 uses
 them as the gather/free granularity (one transformer block each). Inside a unit the
 parameters are ordered by optimizer group, so any shard meets each group in at most
 one contiguous segment: a ZeRO shard is just a few slices.
+
+This module is layout only (pure arithmetic on shapes); the tensors that live in these
+coordinates belong to `zero.unit.Unit`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+NamedParams = list[tuple[str, nn.Parameter, int]]  # (name, parameter, optimizer group)
 
 
 @dataclass
 class ParamSlot:
     name: str
     param: nn.Parameter
-    offset: int          # start in the unit's flat buffer
+    offset: int          # start in the unit's flat coordinates
     numel: int
     shape: torch.Size
     group: int           # optimizer param-group index
@@ -45,7 +52,7 @@ class Segment:
         return self.end - self.start
 
 
-@dataclass
+@dataclass(eq=False)
 class FlatUnit:
     index: int
     name: str
@@ -55,19 +62,18 @@ class FlatUnit:
     numel: int = 0
     padded_numel: int = 0
     shard_numel: int = 0
-    flat: Tensor | None = None       # full parameters (param dtype); may be freed in ZeRO-3
-    modules: list[nn.Module] = field(default_factory=list)
 
     @classmethod
-    def build(cls, index: int, name: str, named: list[tuple[str, nn.Parameter, int]],
-              world_size: int, rank: int) -> FlatUnit:
+    def build(cls, index: int, name: str, named: NamedParams, world_size: int, rank: int,
+              **extra) -> FlatUnit:
         named = sorted(named, key=lambda t: t[2])  # stable: group order, then model order
         slots, off = [], 0
         for pname, p, group in named:
             slots.append(ParamSlot(pname, p, off, p.numel(), p.shape, group))
             off += p.numel()
         padded = -(-off // world_size) * world_size if off else world_size
-        return cls(index, name, slots, world_size, rank, off, padded, padded // world_size)
+        return cls(index, name, slots, world_size, rank, off, padded, padded // world_size,
+                   **extra)
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -89,42 +95,9 @@ class FlatUnit:
                 out.append(Segment(self.index, s.group, a, b))
         return out
 
-    # ---------------------------------------------------------------- parameter views
-    def materialize(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Copy the parameters into a fresh flat buffer and make each one a view of it."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-        with torch.no_grad():
-            for s in self.slots:
-                flat[s.offset:s.end].copy_(s.param.detach().reshape(-1))
-        self.flat = flat
-        self.point_params_at(flat)
-        return flat
-
-    def point_params_at(self, flat: Tensor) -> None:
-        # `.data =` keeps each Parameter object (hooks, tied modules, user references) and
-        # its own autograd version counter, so refilling `flat` in place never trips
-        # autograd's saved-tensor checks.
-        for s in self.slots:
-            s.param.data = flat[s.offset:s.end].view(s.shape)
-
     def view_of(self, buf: Tensor, slot: ParamSlot) -> Tensor:
+        """`slot`'s parameter-shaped view into a buffer laid out in these coordinates."""
         return buf[slot.offset:slot.end].view(slot.shape)
-
-    # ZeRO-3: release / restore the full buffer's memory while every view stays valid.
-    def is_allocated(self) -> bool:
-        assert self.flat is not None
-        return self.flat.untyped_storage().size() > 0
-
-    def free(self) -> None:
-        assert self.flat is not None
-        self.flat.untyped_storage().resize_(0)
-
-    def allocate(self) -> None:
-        assert self.flat is not None
-        st = self.flat.untyped_storage()
-        nbytes = self.padded_numel * self.flat.element_size()
-        if st.size() != nbytes:
-            st.resize_(nbytes)
 
     def layout(self) -> dict:
         """Plain-JSON description, enough to consolidate shards without the model."""
@@ -134,12 +107,11 @@ class FlatUnit:
         }
 
 
-def bucket_params(named: list[tuple[str, nn.Parameter, int]], bucket_numel: int
-                  ) -> list[list[tuple[str, nn.Parameter, int]]]:
+def bucket_params(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
     """Cut parameters into buckets in reverse registration order (≈ the order their
     gradients become ready in backward), each at most `bucket_numel` unless one
     parameter alone is larger."""
-    buckets: list[list[tuple[str, nn.Parameter, int]]] = [[]]
+    buckets: list[NamedParams] = [[]]
     size = 0
     for item in reversed(named):
         n = item[1].numel()
@@ -149,3 +121,20 @@ def bucket_params(named: list[tuple[str, nn.Parameter, int]], bucket_numel: int
         buckets[-1].append(item)
         size += n
     return [b for b in buckets if b]
+
+
+def gather_range(unit: dict, lo: int, hi: int, read: Callable[[str, int, int], Tensor],
+                 dtype: torch.dtype) -> Tensor:
+    """Elements [lo, hi) of a unit's flat coordinates, assembled parameter by parameter.
+
+    `unit` is a `FlatUnit.layout()`; `read(name, start, stop)` returns flat elements of a
+    full parameter. Padding stays zero. This is how weights or optimizer state cut one
+    way (another world size, stage, or a pretrained file) are cut again for this rank.
+    """
+    out = torch.zeros(hi - lo, dtype=dtype)
+    for name, shape, off, _group in unit["params"]:
+        n = math.prod(shape)
+        a, b = max(lo, off), min(hi, off + n)
+        if a < b:
+            out[a - lo:b - lo] = read(name, a - off, b - off)
+    return out

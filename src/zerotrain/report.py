@@ -1,0 +1,115 @@
+"""What a training run tells its user: metrics file, progress bar, lines, curves.
+
+Only rank 0 reports; every other rank gets a Reporter that does nothing, so the loop
+in `train.py` never asks which rank it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """metrics.jsonl; on resume, lines past the resumed step are dropped."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        self.records: list[dict] = []
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and path.exists():
+            keep = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in keep if r.get("step", 0) <= resume_step]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            tmp.replace(path)
+        elif path.exists():
+            path.unlink()
+
+    def __call__(self, record: dict) -> None:
+        if self.enabled:
+            self.records.append(record)
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class Reporter:
+    """Progress bar, one-line messages and the metrics log of one run (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, progress: bool, total_steps: int,
+                 start_step: int, resume_step: int | None):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled, resume_step)
+        self.bar = None
+        if enabled and progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step",
+                            dynamic_ncols=True)
+
+    def say(self, line: str) -> None:
+        """A line of output that does not tear the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def record(self, rec: dict) -> None:
+        self.log(rec)
+
+    def train_step(self, rec: dict, show_scale: bool) -> None:
+        self.log(rec)
+        if self.bar is not None:
+            post = {"loss": f"{rec['loss']:.3f}", "lr": f"{rec['lr']:.2e}",
+                    "tok/s": f"{rec['tokens_per_s']:,.0f}", "gnorm": f"{rec['grad_norm']:.2f}",
+                    "skip": rec["skipped_total"]}
+            if show_scale:
+                post["scale"] = f"{rec['loss_scale']:g}"
+            self.bar.set_postfix(post, refresh=False)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def plot(self, baseline: float, baseline_label: str) -> None:
+        if self.enabled and self.log.records:
+            plot_curves(self.log.records, self.run_dir / "curves.png", baseline, baseline_label)
+
+
+def plot_curves(records: list[dict[str, Any]], path: Path, baseline: float,
+                baseline_label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = [r for r in records if r["type"] == "train"]
+    va = [r for r in records if r["type"] == "val"]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    a1.plot([r["step"] for r in tr], [r["loss"] for r in tr], label="train")
+    a1.plot([r["step"] for r in va], [r["val_loss"] for r in va], "o-", label="validation")
+    a1.axhline(baseline, ls=":", c="gray", label=baseline_label)
+    a1.set_ylabel("loss (nats/token)")
+    a1.legend()
+    a2.plot([r["step"] for r in tr], [r["lr"] for r in tr], c="C2")
+    a2.set_ylabel("learning rate")
+    a2.set_xlabel("optimizer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def uniform_baseline(vocab_size: int) -> tuple[float, str]:
+    """The loss of a uniform guess over the vocabulary, and its label."""
+    return math.log(vocab_size), f"ln {vocab_size} (uniform guess)"

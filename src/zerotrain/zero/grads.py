@@ -1,0 +1,122 @@
+"""Where gradients live between backward and the optimizer — one object per policy.
+
+Like nanotron's gradient accumulator, gradients get their own object instead of being
+spread over the strategy:
+
+- `FullGrads` (stages 0–1): one persistent full-size buffer per unit (`unit.grad`).
+  Micro-steps accumulate into it; it is reduced once, at the accumulation boundary.
+- `ShardedGrads` (stages 2–3): a unit's gradients land in a transient full-size bucket
+  taken from a pool, which is reduce-scattered on every micro-step; only this rank's
+  shard (`unit.grad`) persists, and accumulation happens there. With `host` placement
+  (Offload) the shard lives in host memory.
+
+Both answer the same questions: where does a parameter's gradient accumulate
+(`target`), what the optimizer reads (`unit.grad`, in the coordinates of
+`unit.master`), and how to clear for the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from zerotrain.zero.unit import Unit
+
+
+def zeros(numel: int, dtype: torch.dtype, device: torch.device, pinned: bool) -> Tensor:
+    """Zeros, pinned when `device` is the host side of a real host/GPU split."""
+    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pinned)
+
+
+class FullGrads:
+    """Stages 0–1: full gradients, reduced at the accumulation boundary."""
+
+    every_micro_step = False
+    sharded = False
+
+    def __init__(self, dtype: torch.dtype, device: torch.device,
+                 host: torch.device | None = None):
+        self.dtype, self.device = dtype, device
+        self.host = host or device
+
+    def allocate(self, u: Unit) -> None:
+        u.grad = torch.zeros(u.padded_numel, dtype=self.dtype, device=self.device)
+        u.install_grads(u.grad)
+
+    def target(self, u: Unit) -> Tensor:
+        """The full-size buffer the unit's parameter gradients accumulate into."""
+        return u.grad
+
+    def owned(self, u: Unit, lo: int, hi: int) -> Tensor:
+        """The gradient covering [lo, hi) of the unit (the optimizer's range)."""
+        return u.grad[lo:hi]
+
+    def release(self, u: Unit) -> None:
+        """After the unit's reduction: nothing to give back."""
+
+    def clear(self, u: Unit) -> None:
+        u.grad.zero_()
+        u.grad_dirty = False
+
+
+class ShardedGrads(FullGrads):
+    """Stages 2–3: a bucket pool for the backward, the owned shard across micro-steps."""
+
+    every_micro_step = True
+    sharded = True
+
+    def __init__(self, dtype: torch.dtype, device: torch.device,
+                 host: torch.device | None = None, bucket_dtype: torch.dtype | None = None,
+                 pool_size: int = 2):
+        super().__init__(dtype, device, host)
+        self.bucket_dtype = bucket_dtype or dtype
+        self.pool: dict[int, list[Tensor]] = {}  # released buckets by size: warm pages
+        self.pool_size = pool_size
+        self.pinned = self.host.type == "cpu" and device.type == "cuda"
+
+    def allocate(self, u: Unit) -> None:
+        u.grad = zeros(u.shard_numel, self.dtype, self.host, self.pinned)
+
+    def target(self, u: Unit) -> Tensor:
+        """The unit's bucket, taken when its first gradient arrives. The other parameters'
+        .grad become views of it, so autograd accumulates their gradients in place."""
+        if u.bucket is None:
+            free = self.pool.get(u.padded_numel)
+            b = free.pop() if free else torch.empty(
+                u.padded_numel, dtype=self.bucket_dtype, device=self.device)
+            b.zero_()
+            u.bucket = b
+            u.install_grads(b)
+        return u.bucket
+
+    def landing(self, u: Unit) -> tuple[Tensor, Callable[[], None]]:
+        """Where this micro-step's reduced shard lands, and what to do once it has.
+
+        The first contribution since `clear` reduces straight into the shard; later ones
+        (accumulation, or a shard of another dtype or on the host) land in a temporary
+        that is added to it.
+        """
+        bucket, shard = self.target(u), u.grad
+        direct = not u.grad_dirty and shard.dtype == bucket.dtype and shard.device == bucket.device
+        out = shard if direct else torch.empty(u.shard_numel, dtype=bucket.dtype,
+                                               device=self.device)
+        u.grad_dirty = True
+
+        def done() -> None:
+            if not direct:
+                shard.add_(out.to(shard.device))
+            self.release(u)
+        return out, done
+
+    def owned(self, u: Unit, lo: int, hi: int) -> Tensor:
+        return u.grad
+
+    def release(self, u: Unit) -> None:
+        for s in u.slots:
+            s.param.grad = None
+        b, u.bucket = u.bucket, None
+        free = self.pool.setdefault(u.padded_numel, [])
+        if b is not None and len(free) <= self.pool_size:  # reused: no fresh pages
+            free.append(b)

@@ -1,0 +1,105 @@
+"""What a strategy holds, told two ways: as bytes (the memory audit) and as state.
+
+Both are read from the live units, never recomputed: the audit is what the engine
+prints and tests hold against `memory.py`'s formulas; the state dict is what
+checkpoints save. `state_dict()` / `load_state_dict()` speak this rank's own layout
+(one master tensor per unit); `load_weights(read)` takes full per-parameter weights from
+any source and keeps this rank's part, which is how a checkpoint saved at another world
+size or stage — or a pretrained file — comes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zerotrain.zero.flat import gather_range
+
+CATEGORIES = ("params", "grads", "master", "optimizer")
+
+#: read(name, start, stop) -> elements [start, stop) of parameter `name`, flattened
+WeightReader = Callable[[str, int, int], Tensor]
+
+
+class StrategyState:
+    """Mixed into `Strategy` (zero/base.py), whose units and hooks it reads."""
+
+    # ================================================================ checkpoint state
+    def layout(self) -> dict[str, Any]:
+        """Plain JSON, the same on every rank: the units and what they hold."""
+        return {"strategy": self.name, "stage": self.stage, "world_size": self.world,
+                "units": [u.layout() for u in self.units]}
+
+    def rank_layout(self) -> dict[str, Any]:
+        """Plain JSON, this rank's cut: the master range of each unit, and per optimizer
+        tensor (in optimizer order) [unit, start, end, shape]."""
+        return {"opt_ranges": [list(self.opt_range(u)) for u in self.units],
+                "segments": [[s.unit, s.start, s.end, list(v.shape)]
+                             for s, v in self.opt_segments]}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {f"master.{u.index}": u.master for u in self.units}
+
+    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for u in self.units:
+                u.master.copy_(sd[f"master.{u.index}"])
+        self.publish_all()
+
+    def load_weights(self, read: WeightReader) -> None:
+        """Fill this rank's master range of every unit from full parameters, then publish.
+
+        `read` is asked only for the elements this rank keeps, so a sharded source
+        (resharded checkpoint, safetensors slices) is never materialised in full.
+        """
+        with torch.no_grad():
+            for u in self.units:
+                lo, hi = self.opt_range(u)
+                u.master.copy_(gather_range(u.layout(), lo, hi, read, u.master.dtype))
+        self.publish_all()
+
+    def publish_all(self) -> None:
+        with torch.no_grad():
+            for u in self.units:
+                self.publish(u)
+            self.wait_pending()
+
+    # ================================================================ audit
+    def tensors_by_category(self, optimizer_state: Iterable[dict] = ()
+                            ) -> list[tuple[str, str, Tensor]]:
+        """(category, placement, tensor) for every persistent model-state tensor."""
+        host = "host" if self.offload else "device"
+        out: list[tuple[str, str, Tensor]] = [("params", "device", t)
+                                               for t in self.param_tensors()]
+        grads_place = host if self.grads.sharded else "device"
+        out += [("grads", grads_place, u.grad) for u in self.units]
+        out += [("master", host, u.master) for u in self.units]
+        for st in optimizer_state:
+            out += [("optimizer", host, t) for t in st.values()
+                    if isinstance(t, Tensor) and t.numel() > 1]
+        return out
+
+    def param_tensors(self) -> list[Tensor]:
+        return [u.params for u in self.units]
+
+    def memory_breakdown(self, optimizer_state: Iterable[dict] = ()
+                         ) -> dict[str, dict[str, int]]:
+        """Bytes held per category on device and host; shared storage counted once.
+
+        `optimizer_state`: the optimizer's per-tensor state dicts (`optimizer.state.values()`).
+        """
+        out = {p: dict.fromkeys(CATEGORIES, 0) for p in ("device", "host")}
+        seen: set[int] = set()
+        for cat, place, t in self.tensors_by_category(optimizer_state):
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or st.nbytes() == 0:
+                continue
+            seen.add(st.data_ptr())
+            out[place][cat] += st.nbytes()
+        return out
+
+    def buffer_numels(self) -> list[int]:
+        return [u.numel for u in self.units]

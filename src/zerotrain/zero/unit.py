@@ -1,0 +1,109 @@
+"""A unit's runtime state, owned by the unit: its tensors and where it is in a step.
+
+`Unit` is a `FlatUnit` layout plus the tensors living in its coordinates — the full
+parameter buffer every parameter is a view of, the master copy the optimizer updates,
+the gradient the optimizer reads — and the bookkeeping of one backward (which
+parameters' gradients arrived, whether the reduction started).
+
+`ShardedUnit` (ZeRO-3) adds the parameter shard and an explicit life cycle with the
+verbs FSDP2 uses: SHARDED —unshard→ GATHERING —wait_unshard→ GATHERED —reshard→
+SHARDED. "Sharded" releases the full buffer's storage (`resize_(0)`) while every
+parameter view stays valid, so autograd's saved references see the re-gathered values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from zerotrain.comm.collectives import Comm, Handle
+from zerotrain.zero.flat import FlatUnit
+
+
+@dataclass(eq=False)
+class Unit(FlatUnit):
+    params: Tensor = field(default=None, repr=False)   # type: ignore[assignment]
+    master: Tensor = field(default=None, repr=False)   # type: ignore[assignment]
+    grad: Tensor = field(default=None, repr=False)     # type: ignore[assignment]
+    bucket: Tensor | None = field(default=None, repr=False)  # ZeRO-2+: transient, full size
+    module: nn.Module | None = field(default=None, repr=False)  # ZeRO-3: whose hooks drive it
+    grad_dirty: bool = False     # the persistent gradient holds a contribution already
+    ready: set[int] = field(default_factory=set)      # slots whose gradient arrived
+    reduced: bool = False        # this backward's reduction has been started
+
+    def materialize(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Copy the parameters into a fresh flat buffer and make each one a view of it."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for s in self.slots:
+                flat[s.offset:s.end].copy_(s.param.detach().reshape(-1))
+        self.params = flat
+        self.point_params_at(flat)
+        return flat
+
+    def point_params_at(self, flat: Tensor) -> None:
+        # `.data =` keeps each Parameter object (hooks, tied modules, user references) and
+        # its own autograd version counter, so refilling `flat` in place never trips
+        # autograd's saved-tensor checks.
+        for s in self.slots:
+            s.param.data = flat[s.offset:s.end].view(s.shape)
+
+    def install_grads(self, buf: Tensor) -> None:
+        """Let autograd accumulate straight into `buf` (dtypes allowing) for slots whose
+        gradient has not arrived yet."""
+        if buf.dtype != self.params.dtype:
+            return
+        for i, s in enumerate(self.slots):
+            if i not in self.ready and s.param.grad is None:
+                s.param.grad = self.view_of(buf, s)
+
+    def end_backward(self) -> None:
+        self.ready.clear()
+        self.reduced = False
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"        # only this rank's shard exists; the full buffer is empty
+    GATHERING = "gathering"    # an all-gather into the full buffer is in flight
+    GATHERED = "gathered"      # every parameter is usable
+
+
+@dataclass(eq=False)
+class ShardedUnit(Unit):
+    shard: Tensor = field(default=None, repr=False)    # type: ignore[assignment]
+    persistent: bool = False   # small units stay gathered between uses
+    state: UnitState = UnitState.GATHERED
+    handle: Handle | None = field(default=None, repr=False)
+    gathered_for_backward: bool = False
+
+    def unshard(self, comm: Comm, async_op: bool = True) -> None:
+        """Start gathering the full parameters (a no-op unless SHARDED)."""
+        if self.state is not UnitState.SHARDED:
+            return
+        st = self.params.untyped_storage()
+        st.resize_(self.padded_numel * self.params.element_size())
+        self.handle = comm.all_gather(self.params, self.shard, async_op=async_op)
+        self.state = UnitState.GATHERING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self.state is UnitState.GATHERING:
+            assert self.handle is not None
+            self.handle.wait()
+            self.handle = None
+            self.state = UnitState.GATHERED
+
+    def reshard(self) -> None:
+        """Release the full buffer (waiting for a gather still in flight into it)."""
+        if self.persistent or self.state is UnitState.SHARDED:
+            return
+        self.wait_unshard()
+        self.params.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    def gathered_bytes(self) -> int:
+        return 0 if self.persistent else self.params.untyped_storage().nbytes()
