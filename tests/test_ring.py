@@ -1,4 +1,5 @@
-"""Ring collectives (SPEC §5) against torch.distributed's own, plus the walk-through.
+"""Ring collectives (SPEC §5) against torch.distributed's own, and `ring_bytes` against a
+replay of the schedule (the `zerotrain ring` walk-through is tested in test_cli_ring.py).
 
 Tolerances: fp32 inputs are integer-valued, so every summation order gives the same
 exact result and ring == native is demanded bit for bit. bf16 inputs are random; N-1
