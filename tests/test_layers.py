@@ -23,7 +23,9 @@ LAYERS = {
     "zerotrain.__main__": APP,
     "zerotrain.train": APP,
     "zerotrain.cli": APP,
+    "zerotrain.report": APP,  # progress, metrics and plots of a training run
     "zerotrain.engine": 5,
+    "zerotrain.engine_api": 5,  # the DeepSpeed-style methods beside the engine
     "zerotrain.checkpoint": 4,
     "zerotrain.zero": 3,
     "zerotrain.comm": 2,
