@@ -1,15 +1,12 @@
-"""The memory/traffic formulas of SPEC §6 against hand arithmetic, the ZeRO paper, a
-measurement of saved activations, and the `zerotrain estimate` CLI."""
+"""The memory/traffic formulas of SPEC §6 against hand arithmetic, the ZeRO paper, and a
+measurement of saved activations (the `zerotrain estimate` CLI: test_cli_estimate.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from zerotrain.config import ModelConfig
-from zerotrain.estimate import main_estimate
 from zerotrain.memory import (
     activation_bytes,
     block_activation_bytes,
@@ -229,72 +226,3 @@ def test_checkpointing_keeps_only_block_inputs():
     assert activation_bytes(c, b, s, act_bytes=4) == 3 * inp + head + block - inp
     assert activation_bytes(c, b, s, act_bytes=4) < activation_bytes(
         c, b, s, act_bytes=4, checkpointing=False)
-
-
-# ----------------------------------------------------------------------------- CLI
-
-PAPER = ["--params", "7.5e9", "--gpus", "64", "--gpu-mem", "80GB"]
-
-
-def test_cli_table(capsys):
-    assert main_estimate(PAPER) == 0
-    out = capsys.readouterr().out
-    rows = {ln.split("|")[0].strip(): ln for ln in out.splitlines() if "|" in ln}
-    assert "120.00" in rows["DDP"] and rows["DDP"].endswith("DOES NOT FIT")
-    for label, total in [("ZeRO-1", "31.41"), ("ZeRO-2", "16.64"), ("ZeRO-3", "1.88"),
-                         ("ZeRO-2+offload", "15.00"), ("ZeRO-3+offload", "0.23")]:
-        assert total in rows[label] and rows[label].endswith(" FITS"), label
-    assert "in GB (10^9 bytes)" in out
-
-
-def test_cli_json_and_inverse(capsys):
-    assert main_estimate([*PAPER, "--json", "--max-params"]) == 0
-    rep = json.loads(capsys.readouterr().out)
-    assert [r["label"] for r in rep["rows"]][:4] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
-    assert rep["rows"][0]["device_total"] == 120 * 10**9
-    assert rep["rows"][0]["traffic"]["sent_bytes"] == 2 * 63 * (7_500_000_000 // 64) * 2
-    # closed forms: DDP 16Ψ ≤ 80e9 → 5e9; ZeRO-3 16·ceil(Ψ/64) ≤ 80e9 → 320e9
-    assert rep["rows"][0]["max_params"] == 5 * 10**9
-    assert rep["rows"][3]["max_params"] == 320 * 10**9
-    for r in rep["rows"]:
-        kw = dict(offload=r["offload"])
-        mp = r["max_params"]
-        assert estimate(mp, 64, r["stage"], **kw).device_total <= 80e9
-        assert estimate(mp + 1, 64, r["stage"], **kw).device_total > 80e9
-
-
-def test_cli_gib_and_model_config(tmp_path, capsys):
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text("model: {n_layer: 2, n_embd: 64, n_head: 4, block_size: 32}\n"
-                   "precision: {dtype: fp32}\n")
-    assert main_estimate(["--model", str(cfg), "--gpus", "2", "--gpu-mem", "1GiB",
-                          "--micro-batch", "3", "--json"]) == 0
-    rep = json.loads(capsys.readouterr().out)
-    c = ModelConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
-    assert rep["unit"] == "GiB" and rep["gpu_mem"] == 2**30 and rep["precision"] == "fp32"
-    assert rep["psi"] == _gpt_formula(c)
-    assert rep["rows"][0]["activations"] == activation_bytes(c, 3, 32, act_bytes=4)
-    assert rep["rows"][3]["gathered"] == model_size(c)[1] * 4
-
-
-def test_cli_plot(tmp_path, capsys):
-    png = tmp_path / "mem.png"
-    assert main_estimate([*PAPER, "--plot", str(png)]) == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.parametrize("argv", [
-    ["--params", "7.5e9", "--gpus", "0"],
-    ["--params", "lots", "--gpus", "8"],
-    ["--params", "7.5e9", "--gpus", "8", "--gpu-mem", "80XB"],
-    ["--gpus", "8"],
-    ["--params", "7.5e9", "--gpus", "8", "--max-params"],
-    ["--params", "7.5e9", "--gpus", "8", "--optimizer", "adamq"],
-    ["--params", "7.5e9", "--gpus", "8", "--bogus"],
-    ["--model", "/nonexistent.yaml", "--gpus", "8"],
-    ["--params", "7.5e9", "--gpus", "8", "--stage", "1", "--offload"],
-])
-def test_cli_bad_input(argv, capsys):
-    assert main_estimate(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("zerotrain estimate: error:") and "\n" not in err

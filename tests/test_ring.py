@@ -1,4 +1,5 @@
-"""Ring collectives (SPEC §5) against torch.distributed's own, plus the walk-through.
+"""Ring collectives (SPEC §5) against torch.distributed's own, and `ring_bytes` against a
+replay of the schedule (the `zerotrain ring` walk-through is tested in test_cli_ring.py).
 
 Tolerances: fp32 inputs are integer-valued, so every summation order gives the same
 exact result and ring == native is demanded bit for bit. bf16 inputs are random; N-1
@@ -10,8 +11,6 @@ Gathers do no arithmetic and are exact in any dtype.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,10 +21,10 @@ from zerotrain.comm.ring import (
     chunk_sizes,
     ring_all_gather,
     ring_all_reduce,
+    ring_bytes,
     ring_reduce_scatter,
     ring_schedule,
 )
-from zerotrain.comm.ring_explain import main_ring, parse_size, symbolic_walkthrough
 
 from multirank import run_ranks
 
@@ -183,16 +182,6 @@ def world(request) -> tuple[int, list[dict]]:
     return n, run_ranks(_ring_vs_native, n)
 
 
-def _expected_all_reduce_bytes(numel: int, n: int, r: int, esize: int) -> tuple[int, int]:
-    """Rank r sends every chunk but r+1 (reduce-scatter) and every chunk but r+2
-    (all-gather); it receives every chunk but r, then every chunk but r+1."""
-    base, extra = divmod(numel, n)
-    c = [(base + (i < extra)) * esize for i in range(n)]
-    total = numel * esize
-    return (2 * total - c[(r + 1) % n] - c[(r + 2) % n],
-            2 * total - c[r] - c[(r + 1) % n])
-
-
 @pytest.mark.slow
 def test_all_reduce_matches_native(world):
     _, ranks = world
@@ -210,8 +199,7 @@ def test_all_reduce_bytes_are_two_n_minus_one_over_n(world):
     for r, res in enumerate(ranks):
         for case in res["all_reduce"]:
             numel, esize = case["numel"], case["esize"]
-            assert (case["sent"], case["recv"]) == _expected_all_reduce_bytes(
-                numel, n, r, esize), (r, case)
+            assert (case["sent"], case["recv"]) == ring_bytes(numel, n, r, esize), (r, case)
             if numel % n == 0:  # even chunks: exactly 2(N-1)/N·S
                 assert case["sent"] == case["recv"] == 2 * (n - 1) * numel * esize // n
 
@@ -283,101 +271,23 @@ def test_chunk_sizes(numel, n, sizes):
     assert chunk_sizes(numel, n) == sizes
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 6])
-def test_symbolic_after_reduce_scatter_rank_r_owns_chunk_r_plus_1(n):
-    snaps = symbolic_walkthrough(n)
-    assert len(snaps) == 1 + 2 * (n - 1)
-    after_rs = snaps[n - 1].holds
-    for r in range(n):
-        c = (r + 1) % n
-        # full sum, contributions in ring order starting at the originating rank c
-        assert after_rs[r][c] == tuple((c + k) % n for k in range(n))
-    final = snaps[-1].holds
-    for r in range(n):
-        for c in range(n):
-            assert final[r][c] == tuple((c + k) % n for k in range(n))
-    for s in snaps[1:]:
-        assert len(s.updated) == n
+def _replayed_bytes(numel: int, n: int, rank: int) -> tuple[int, int]:
+    """Slow reference: walk the schedule and add up the chunks `rank` sends and receives."""
+    sizes = chunk_sizes(numel, n)
+    steps = ring_schedule(n)
+    return (sum(sizes[s.send_chunk(rank)] for s in steps),
+            sum(sizes[s.recv_chunk(rank)] for s in steps))
 
 
-def test_symbolic_contribution_order():
-    snaps = symbolic_walkthrough(3)
-    assert snaps[0].holds[1][0] == (1,)
-    assert snaps[1].holds[1][0] == (0, 1)  # RS step 1: GPU1 chunk A = a0+a1
-    assert snaps[1].holds[0][2] == (2, 0)  # GPU0 chunk C = c2+c0
-    assert snaps[2].holds[2][0] == (0, 1, 2)
-    assert snaps[2].holds[0][1] == (1, 2, 0)
-    assert snaps[3].holds[0][0] == (0, 1, 2)  # AG step 1 delivers A to GPU0
-
-
-# ---------------------------------------------------------------------- CLI
-def _tables(text: str) -> dict[str, list[list[str]]]:
-    """{title: rows of cells} for every printed table."""
-    out: dict[str, list[list[str]]] = {}
-    for block in text.split("\n\n"):
-        lines = block.strip("\n").splitlines()
-        if len(lines) >= 3 and re.fullmatch(r"\s+A(\s+[B-Z])*", lines[1]):
-            out[lines[0]] = [ln.split()[1:] for ln in lines[2:]]
-    return out
-
-
-def _find(tables: dict, prefix: str) -> list[list[str]]:
-    (rows,) = [v for k, v in tables.items() if k.startswith(prefix)]
-    return rows
-
-
-def test_main_ring_n3(capsys):
-    assert main_ring(["--gpus", "3", "--size", "28GB"]) == 0
-    text = capsys.readouterr().out
-    t = _tables(text)
-    assert len(t) == 5
-    assert _find(t, "Initial")[1] == ["a1", "b1", "c1"]
-    assert _find(t, "Reduce-scatter step 1/2") == [
-        ["a0", "b0", "c2+c0*"], ["a0+a1*", "b1", "c1"], ["a2", "b1+b2*", "c2"]]
-    assert _find(t, "Reduce-scatter step 2/2")[2] == ["a0+a1+a2*", "b1+b2", "c2"]
-    assert _find(t, "All-gather step 2/2") == [
-        ["a0+a1+a2", "b1+b2+b0", "c2+c0+c1*"], ["a0+a1+a2*", "b1+b2+b0", "c2+c0+c1"],
-        ["a0+a1+a2", "b1+b2+b0*", "c2+c0+c1"]]
-    assert "28,000,000,000 bytes" in text
-    assert re.search(r"\(N-1\)·S\s+=\s+56\.00 GB", text)
-    assert re.search(r"2\(N-1\)/N·S\s+=\s+37\.33 GB", text)
-    assert "1.50x" in text
-
-
-def test_main_ring_n4(capsys):
-    assert main_ring(["--gpus", "4"]) == 0  # default --size 28GB
-    text = capsys.readouterr().out
-    t = _tables(text)
-    assert len(t) == 7
-    assert _find(t, "Reduce-scatter step 1/3")[1] == ["a0+a1*", "b1", "c1", "d1"]
-    assert _find(t, "Reduce-scatter step 3/3")[3] == ["a0+a1+a2+a3*", "b1+b2+b3", "c2+c3",
-                                                      "d3"]
-    assert _find(t, "Reduce-scatter step 3/3")[0][1] == "b1+b2+b3+b0*"
-    assert _find(t, "All-gather step 3/3")[2][3] == "d3+d0+d1+d2"
-    assert re.search(r"\(N-1\)·S\s+=\s+84\.00 GB", text)
-    assert re.search(r"2\(N-1\)/N·S\s+=\s+42\.00 GB", text)
-    assert "2.00x" in text
-
-
-@pytest.mark.parametrize("argv", [
-    [], ["--gpus", "1"], ["--gpus", "x"], ["--gpus", "3", "--size", "3 parsecs"],
-    ["--gpus", "3", "--size", "0GB"], ["--gpus", "3", "--bogus"]])
-def test_main_ring_bad_input(argv, capsys):
-    assert main_ring(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("zerotrain ring: error:") and err.count("\n") == 1
-
-
-def test_parse_size():
-    assert parse_size("28GB") == (28 * 10**9, False)
-    assert parse_size("1.5GiB") == (3 * 2**29, True)
-    assert parse_size("512 kb") == (512_000, False)
-    assert parse_size("4096") == (4096, False)
-
-
-@pytest.mark.slow
-def test_main_ring_run_two_processes(capsys):
-    assert main_ring(["--gpus", "2", "--size", "1MB", "--run"]) == 0
-    out = capsys.readouterr().out
-    assert "PASS: ring all-reduce equals dist.all_reduce" in out
-    assert out.count(" ok\n") == 2
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_ring_bytes_equal_a_replay_of_the_schedule(n):
+    for numel in [*range(0, 3 * n + 2), 1000, 10_007]:
+        for r in range(n):
+            assert ring_bytes(numel, n, r) == _replayed_bytes(numel, n, r), (numel, r)
+            assert ring_bytes(numel, n, r, 4) == tuple(4 * b for b in _replayed_bytes(
+                numel, n, r))
+        if numel % n == 0:  # even chunks: exactly 2(N-1)/N of the buffer each way
+            assert {ring_bytes(numel, n, r) for r in range(n)} == {
+                (2 * (n - 1) * numel // n,) * 2}
+    with pytest.raises(ValueError):
+        ring_bytes(10, 3, 3)

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: phase boundaries, exact resume, validation, CLI."""
+"""Learning-rate schedule: phase boundaries, exact resume, validation (CLI: test_cli_schedule)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from zerotrain.config import ScheduleConfig
 from zerotrain.optim import AdamW
-from zerotrain.optim.schedule import WarmupDecayLR, key_points, lr_at, lr_from_config, main_schedule
+from zerotrain.optim.schedule import WarmupDecayLR, key_points, lr_at, lr_from_config
 
 PEAK, MIN, TOTAL = 1e-3, 1e-4, 1000
 
@@ -155,25 +155,3 @@ def test_key_points():
     pts = dict(key_points(1000, kind="cosine", warmup_steps=100, hold_steps=50))
     assert pts == {"start": 0, "end of warmup": 100, "end of hold": 150, "mid-decay": 575,
                    "end of decay": 1000}
-
-
-def test_cli_prints_table_and_plots(capsys, tmp_path):
-    png = tmp_path / "lr.png"
-    rc = main_schedule(["--peak-lr", "3e-4", "--steps", "200", "--warmup", "20", "--hold", "10",
-                        "--min-lr", "3e-5", "--kind", "linear", "--plot", str(png)])
-    out = capsys.readouterr().out
-    assert rc == 0
-    assert "end of warmup" in out and "3.0000e-04" in out and "3.0000e-05" in out
-    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["--warmup", "5000"], "--warmup + --hold"),
-    (["--min-lr", "1"], "--min-lr"),
-    (["--kind", "exp"], "--kind"),
-    (["--steps", "ten"], "--steps"),
-])
-def test_cli_bad_input_is_one_message(argv, needle, capsys):
-    assert main_schedule(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and needle in err and err.startswith("zerotrain schedule")

@@ -2,8 +2,9 @@
 
 This is the legible twin of torch.distributed's built-in collectives: the same result,
 with every chunk movement visible. One pure function, `ring_schedule`, says who sends
-which chunk at each step; the tensor code below and the symbolic walk-through in
-`ring_explain.py` both read it, so the explanation cannot drift from the implementation.
+which chunk at each step; the tensor code below and the symbolic walk-through of
+`zerotrain ring` (`cli/ring.py`) both read it, so the explanation cannot drift from the
+implementation.
 
 Schedule for N ranks, chunk indices mod N:
   reduce-scatter, step s = 0..N-2: rank r sends chunk (r-s) to r+1 and adds the chunk
@@ -79,6 +80,29 @@ def chunk_sizes(numel: int, n: int) -> list[int]:
     """
     base, extra = divmod(numel, n)
     return [base + (1 if c < extra else 0) for c in range(n)]
+
+
+def ring_bytes(numel: int, n: int, rank: int, element_size: int = 1) -> tuple[int, int]:
+    """(bytes sent, bytes received) by `rank` in one `ring_all_reduce` of `numel` elements.
+
+    Reduce-scatter: rank r sends every chunk but (r+1), the one it finishes on, and
+    receives every chunk but its own r. All-gather: it sends every chunk but (r+2), the
+    one it never holds finished before the last step, and receives every chunk but (r+1).
+    With chunks of `chunk_sizes` this is exact; 2(N-1)/N of the buffer when N divides it.
+    O(1) in N, so it also answers for rings too large to replay step by step.
+    """
+    if n < 1 or not 0 <= rank < n:
+        raise ValueError(f"rank {rank} is not in a ring of {n}")
+    if n == 1:
+        return 0, 0
+    base, extra = divmod(numel, n)
+
+    def size(c: int) -> int:  # chunk_sizes(numel, n)[c % n] without the list
+        return (base + (1 if c % n < extra else 0)) * element_size
+
+    total = numel * element_size
+    return (2 * total - size(rank + 1) - size(rank + 2),
+            2 * total - size(rank) - size(rank + 1))
 
 
 # ---------------------------------------------------------------------- plumbing

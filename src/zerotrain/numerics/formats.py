@@ -32,7 +32,7 @@ __all__ = [
     "get_format",
 ]
 
-Number = float | int | Fraction | str
+Number = float | int | Fraction
 
 
 @dataclass(frozen=True)
@@ -258,12 +258,6 @@ class FloatFormat:
             return float(exact)
         return math.copysign(float(exact), -1.0 if bits & self.sign_bit else 1.0)
 
-    def decode_tensor(self, bits: torch.Tensor) -> torch.Tensor:
-        """Vectorised decode of integer patterns → float64 values (see `numerics.codec`)."""
-        from zerotrain.numerics.codec import decode_tensor
-
-        return decode_tensor(self, bits)
-
     # ---- encoding ------------------------------------------------------------------------
     def round_exact(self, value: Fraction, negative: bool | None = None) -> Rounding:
         """Round an exact non-zero finite value to nearest, ties to even; keep the G/R/S story."""
@@ -314,15 +308,12 @@ class FloatFormat:
         return self.nan_bits(negative)
 
     def encode(self, x: Number) -> int:
-        """Round any real (float, int, exact Fraction, or decimal string like "0.1") to a pattern.
+        """Round any real (float, int or exact Fraction) to a pattern.
 
-        Works from the exact value, so a double is rounded once (no detour through fp32) and
-        the string "0.1" means the real number 1/10, not the double nearest to it.
+        Works from the exact value, so a double is rounded once (no detour through fp32);
+        text such as "0.1" goes through `notation.parse_number` first, which reads it as
+        the real number 1/10, not the double nearest to it.
         """
-        if isinstance(x, str):
-            from zerotrain.numerics.notation import parse_number
-
-            x = parse_number(x)
         if isinstance(x, float):
             negative = math.copysign(1.0, x) < 0
             if math.isnan(x):
@@ -338,12 +329,6 @@ class FloatFormat:
             return 0
         return self.round_exact(value).bits
 
-    def encode_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Vectorised `encode` of a float tensor → int64 patterns (see `numerics.codec`)."""
-        from zerotrain.numerics.codec import encode_tensor
-
-        return encode_tensor(self, t)
-
     # ---- text ----------------------------------------------------------------------------
     def format_bits(self, bits: int, sep: str = " ") -> str:
         """'0 10000010 00110100000000000000000': the fields, as one writes them by hand."""
@@ -353,12 +338,6 @@ class FloatFormat:
     def hex_bits(self, bits: int) -> str:
         self._check_bits(bits)
         return f"0x{bits:0{(self.total_bits + 3) // 4}X}"
-
-    def parse_bits(self, text: str) -> int:
-        """Read a pattern written for this format (fields optionally spaced, or 0x hex)."""
-        from zerotrain.numerics.notation import parse_bits
-
-        return parse_bits(text, self)[1]
 
     def _check_bits(self, bits: int) -> None:
         if not 0 <= bits < (1 << self.total_bits):

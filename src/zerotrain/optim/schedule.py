@@ -21,10 +21,7 @@ state (Adam's moments) starts accumulating while the weights stay put.
 
 from __future__ import annotations
 
-import argparse
 import math
-import re
-import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -163,14 +160,6 @@ class WarmupDecayLR(LRScheduler):
         self._last_lr = lrs
 
 
-# ----------------------------------------------------------------------------- CLI
-
-_FLAGS = {"peak_lr": "--peak-lr", "total_steps": "--steps", "warmup_steps": "--warmup",
-          "hold_steps": "--hold", "min_lr": "--min-lr", "warmup_start_lr": "--warmup-start-lr",
-          "decay_steps": "--decay-steps", "wsd_decay_fraction": "--wsd-fraction",
-          "kind": "--kind"}
-
-
 def key_points(total_steps: int, **kw: Any) -> list[tuple[str, int]]:
     """Named steps worth printing: start, phase boundaries, mid-decay, end."""
     w_end, d_start, d_end = phases(total_steps=total_steps, **{
@@ -189,90 +178,3 @@ def key_points(total_steps: int, **kw: Any) -> list[tuple[str, int]]:
     pts.append(("end", total_steps))
     seen: set[int] = set()
     return [(n, s) for n, s in pts if not (s in seen or seen.add(s))]  # type: ignore[func-returns-value]
-
-
-def _plot(path: str, total_steps: int, kw: dict[str, Any], points: list[tuple[str, int]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = min(total_steps, 2000)  # enough points for a smooth curve on long runs
-    steps = sorted({round(i * total_steps / n) for i in range(n + 1)} | {s for _, s in points})
-    lrs = [lr_at(s, total_steps=total_steps, **kw) for s in steps]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(steps, lrs, color="C0", lw=2)
-    w_end, d_start, d_end = phases(total_steps=total_steps, **{
-        k: kw[k] for k in ("kind", "warmup_steps", "hold_steps", "decay_steps",
-                           "wsd_decay_fraction")})
-    spans = [("warmup", 0, w_end, "C1"), ("hold" if kw["kind"] != "wsd" else "stable",
-                                          w_end, d_start, "C2")]
-    if kw["kind"] != "constant":
-        spans.append(("decay", d_start, min(d_end, total_steps), "C3"))
-    for label, a, b, color in spans:
-        if b > a:
-            ax.axvspan(a, b, color=color, alpha=0.12, label=label)
-    for _, s in points:
-        if 0 < s < total_steps:
-            ax.axvline(s, color="grey", ls=":", lw=1)
-    ax.set_xlabel("optimizer steps completed")
-    ax.set_ylabel("learning rate")
-    ax.set_title(f"{kw['kind']} schedule, peak {kw['peak_lr']:g}")
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        """One line instead of argparse's usage dump."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def main_schedule(argv: list[str]) -> int:
-    """`zerotrain schedule`: print (and optionally plot) the lr at the schedule's key points."""
-    from zerotrain.config import OptimizerConfig, ScheduleConfig, TrainConfig
-
-    d = {k: f.default for k, f in ScheduleConfig.model_fields.items()}
-    parser = _Parser(
-        prog="zerotrain schedule",
-        description="Show the learning-rate schedule: warmup, hold, decay, floor.")
-    parser.add_argument("--peak-lr", type=float, default=OptimizerConfig.model_fields["lr"].default)
-    parser.add_argument("--steps", type=int, default=TrainConfig.model_fields["steps"].default,
-                        help="total optimizer steps")
-    parser.add_argument("--warmup", type=int, default=d["warmup_steps"])
-    parser.add_argument("--hold", type=int, default=d["hold_steps"])
-    parser.add_argument("--min-lr", type=float, default=d["min_lr"])
-    parser.add_argument("--kind", default=d["kind"], choices=KINDS)
-    parser.add_argument("--warmup-start-lr", type=float, default=d["warmup_start_lr"])
-    parser.add_argument("--decay-steps", type=int, default=d["decay_steps"])
-    parser.add_argument("--wsd-fraction", type=float, default=d["wsd_decay_fraction"])
-    parser.add_argument("--plot", metavar="PNG", help="also draw the curve to this file")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse already printed usage and the message
-        return int(e.code or 0)
-    kw = dict(peak_lr=args.peak_lr, kind=args.kind, warmup_steps=args.warmup,
-              warmup_start_lr=args.warmup_start_lr, hold_steps=args.hold, min_lr=args.min_lr,
-              decay_steps=args.decay_steps, wsd_decay_fraction=args.wsd_fraction)
-    try:
-        lr_at(0, total_steps=args.steps, **kw)
-    except ValueError as e:
-        msg = re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: _FLAGS[m.group(1)], str(e))
-        print(f"zerotrain schedule: error: {msg}", file=sys.stderr)
-        return 2
-    points = key_points(args.steps, **kw)
-    print(f"{args.kind} schedule over {args.steps} steps, peak lr {args.peak_lr:g}")
-    print(f"{'point':<15} {'step':>8} {'lr':>12}")
-    for name, s in points:
-        print(f"{name:<15} {s:>8} {lr_at(s, total_steps=args.steps, **kw):>12.4e}")
-    if args.plot:
-        try:
-            _plot(args.plot, args.steps, kw, points)
-        except OSError as e:
-            print(f"zerotrain schedule: error: cannot write plot '{args.plot}': {e}",
-                  file=sys.stderr)
-            return 2
-        print(f"plot written to {args.plot}")
-    return 0

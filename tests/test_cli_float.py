@@ -10,10 +10,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-from zerotrain.numerics.explain import explain_encode
-from zerotrain.numerics.float_cli import main_float, main_formats
+from zerotrain.cli.float_encode import explain_encode
+from zerotrain.cli.floats import main_float, main_formats
 from zerotrain.numerics.formats import ALL_FORMATS, FP8_E4M3, FP16, FP32, get_format
-from zerotrain.numerics.notation import exact_decimal
+from zerotrain.numerics.notation import exact_decimal, parse_number
 
 
 def run_float(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -144,7 +144,7 @@ def test_derivation_agrees_with_encode(fmt_name: str) -> None:
     fmt = get_format(fmt_name)
     for v in _sample_values(fmt_name, random.Random(fmt.total_bits)):
         out = explain_encode(v, fmt)
-        assert pattern_line(out) == fmt.format_bits(fmt.encode(v)), v
+        assert pattern_line(out) == fmt.format_bits(fmt.encode(parse_number(v))), v
 
 
 def test_format_all_has_a_row_per_format(capsys: pytest.CaptureFixture[str]) -> None:

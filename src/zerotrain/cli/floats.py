@@ -1,22 +1,16 @@
-"""`zerotrain float` and `zerotrain formats`: the command-line side of `explain.py`,
-and the comparison table of every format, derived from the layouts."""
+"""`zerotrain float` and `zerotrain formats`: a number encoded or a pattern decoded (the text
+comes from `float_encode.py` and `float_text.py`), and the comparison table of every
+format, derived from the layouts."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Callable
 from fractions import Fraction
-from typing import NoReturn
 
-from zerotrain.numerics.explain import (
-    _overflow_text,
-    _table,
-    explain_all,
-    explain_bits,
-    explain_encode,
-)
+from zerotrain.cli.args import Parser, UsageError, command
+from zerotrain.cli.float_encode import explain_encode
+from zerotrain.cli.float_text import explain_all, explain_bits, overflow_text, table
 from zerotrain.numerics.formats import ALL_FORMATS, FP32, FloatFormat, floor_log2
 from zerotrain.numerics.notation import exact_decimal, parse_number
 
@@ -34,7 +28,7 @@ def _notes(fmt: FloatFormat) -> list[str]:
         nan = "S." + "1" * fmt.exponent_bits + "." + "1" * fmt.mantissa_bits
         notes.append(f"no inf; NaN = {nan}")
     if fmt.overflow != "inf":
-        notes.append(_overflow_text(fmt).replace("overflow → ", "overflow "))
+        notes.append(overflow_text(fmt).replace("overflow → ", "overflow "))
     if fmt is not FP32 and (fmt.exponent_bits, fmt.bias) == (FP32.exponent_bits, FP32.bias):
         notes.append("same range as fp32")
     if fmt.torch_dtype_name is None:
@@ -97,37 +91,10 @@ def formats_table() -> str:
         " min normal = 2^(1−bias);\nmin subnormal = 2^(1−bias−m); epsilon = 2^-m;"
         " ~digits = (m+1)·log10 2."
     )
-    return _table(rows) + "\n" + foot
+    return table(rows) + "\n" + foot
 
 
 # ---- CLI entry points ----------------------------------------------------------------------
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-def _run(
-    prog: str,
-    parser: argparse.ArgumentParser,
-    argv: list[str],
-    body: Callable[[argparse.Namespace], str],
-) -> int:
-    try:
-        args = parser.parse_args(argv)
-        text = body(args)
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    except (_UsageError, ValueError) as e:
-        print(f"{prog}: error: {e}  (see {prog} --help)", file=sys.stderr)
-        return 2
-    print(text)
-    return 0
-
-
 def _negatives_last(argv: list[str]) -> list[str]:
     """argparse mistakes '-1e-8' or '-inf' for options: move such numbers after '--'."""
     kept, numbers, it = [], [], iter(argv)
@@ -147,12 +114,11 @@ def _negatives_last(argv: list[str]) -> list[str]:
     return [*kept, "--", *numbers] if numbers else kept
 
 
-def main_float(argv: list[str]) -> int:
-    """`zerotrain float VALUE [--format F|all]` and `zerotrain float --bits PATTERN`."""
-    p = _Parser(
-        prog="zerotrain float",
-        description="Show how a number is stored in a float format, or decode a bit pattern.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _float_parser() -> Parser:
+    p = Parser(
+        "float",
+        "Show how a number is stored in a float format, step by step, or decode a bit "
+        "pattern. Background: docs/design.md §formats.",
         epilog="examples:\n"
         "  zerotrain float 9.625 --format fp32\n"
         "  zerotrain float 0.1 --format all\n"
@@ -163,34 +129,43 @@ def main_float(argv: list[str]) -> int:
     p.add_argument(
         "value", nargs="?", help="number to encode: 9.625, -2.5, 0.1, 1e-8, 1/3, inf, nan"
     )
-    p.add_argument(
-        "-f", "--format", help="fp32 (default), tf32, fp16, bf16, fp8-e4m3, fp8-e5m2, all"
-    )
+    p.add_argument("-f", "--format", help="fp32 (the default), tf32, fp16, bf16, fp8-e4m3, "
+                   "fp8-e5m2, or all (one row per format)")
     p.add_argument(
         "-b", "--bits", nargs="+", help="decode a pattern: '0 10000010 0011…' or 0x411A0000"
     )
-
-    def body(a: argparse.Namespace) -> str:
-        if (a.value is None) == (a.bits is None):
-            raise _UsageError("give either a VALUE to encode or --bits PATTERN to decode")
-        if a.bits is not None:
-            if a.format and a.format.lower() == "all":
-                raise _UsageError("--format all works for VALUE only; --bits needs one format")
-            return explain_bits(" ".join(a.bits), a.format)
-        if a.format and a.format.lower() == "all":
-            return explain_all(a.value)
-        return explain_encode(a.value, a.format or FP32)
-
-    return _run("zerotrain float", p, _negatives_last(list(argv)), body)
+    return p
 
 
+def _float_text(a: argparse.Namespace) -> str:
+    every = bool(a.format) and a.format.lower() == "all"
+    if (a.value is None) == (a.bits is None):
+        raise UsageError("give either a VALUE to encode or --bits PATTERN to decode")
+    if a.bits is not None:
+        if every:
+            raise UsageError("--format all works for VALUE only; --bits needs one format")
+        return explain_bits(" ".join(a.bits), a.format)
+    return explain_all(a.value) if every else explain_encode(a.value, a.format or FP32)
+
+
+@command("float")
+def main_float(argv: list[str]) -> int:
+    """`zerotrain float VALUE [--format F|all]` and `zerotrain float --bits PATTERN`."""
+    args = _float_parser().parse_args(_negatives_last(argv))
+    try:
+        text = _float_text(args)
+    except ValueError as e:  # unreadable number or pattern, unknown format
+        raise UsageError(str(e)) from None
+    print(text)
+    return 0
+
+
+@command("formats")
 def main_formats(argv: list[str]) -> int:
     """`zerotrain formats [--json]`: every format's range and precision, from its layout."""
-    p = _Parser(prog="zerotrain formats", description="Compare the float formats.")
+    p = Parser("formats", "Compare the float formats: range and precision, each derived from "
+               "the layout (sign, exponent and mantissa bits). See docs/design.md §formats.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    return _run(
-        "zerotrain formats",
-        p,
-        list(argv),
-        lambda a: json.dumps(format_rows(), indent=2) if a.json else formats_table(),
-    )
+    a = p.parse_args(argv)
+    print(json.dumps(format_rows(), indent=2) if a.json else formats_table())
+    return 0

@@ -1,0 +1,227 @@
+"""What every command shares: one parser class, one usage error, one way to fail, and the
+readers of sizes and counts.
+
+Every mistake a user can make on the command line, and every config, data or checkpoint
+problem the library reports, ends the same way: one line `zerotrain <command>: error:
+<message>` on stderr and exit status 2. Nothing here imports torch, so `zerotrain float`
+stays quick to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple, NoReturn
+
+from zerotrain.cli.units import BINARY, DECIMAL
+
+__all__ = [
+    "HelpFormatter",
+    "Parser",
+    "Size",
+    "UsageError",
+    "command",
+    "finite_float",
+    "parse_count",
+    "parse_size",
+    "plot_path",
+    "rename_fields",
+    "size_help",
+    "user_errors",
+]
+
+Main = Callable[[list[str]], int]
+
+
+class UsageError(Exception):
+    """A mistake on the command line: reported as one line on stderr, exit status 2."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option with a real default shows it; prose is wrapped, while a paragraph with
+    indented lines (examples, tables) is kept as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        blocks = []
+        for block in text.split("\n\n"):
+            lines = block.splitlines()
+            if any(line.startswith(" ") for line in lines):
+                blocks.append("\n".join(indent + line for line in lines))
+            else:
+                blocks.append(textwrap.fill(" ".join(block.split()), width,
+                                            initial_indent=indent, subsequent_indent=indent))
+        return "\n\n".join(blocks)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default is None or default is False:
+            return text
+        if default is argparse.SUPPRESS:
+            return text
+        if not action.option_strings and action.nargs not in ("?", "*"):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """`zerotrain <command>`'s parser: its errors raise UsageError instead of exiting."""
+
+    def __init__(self, command: str | None = None, description: str | None = None,
+                 **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        if command is not None:  # subparsers pass their own prog
+            kwargs.setdefault("prog", f"zerotrain {command}")
+        super().__init__(description=description, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix: reported as one line, never as a traceback.
+
+    Imported only when an error is being reported, so a command that never touches the
+    checkpoint code does not pay for importing it (and torch) at start.
+    """
+    from zerotrain.checkpoint.io import CheckpointError
+    from zerotrain.config import ConfigError
+    from zerotrain.data.corpus import DataError
+    from zerotrain.numerics.scaler import LossScaleError
+
+    return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError)
+
+
+def fail(name: str, message: object) -> int:
+    """Print the one error line of `zerotrain <name>` (of `zerotrain` if name is empty);
+    returns the exit status 2."""
+    text = " ".join(str(message).split("\n")) or type(message).__name__
+    print(f"{' '.join(['zerotrain', name]).strip()}: error: {text}", file=sys.stderr)
+    return 2
+
+
+def command(name: str) -> Callable[[Main], Main]:
+    """Turn `main(argv) -> int` into a command: --help exits cleanly, user errors are one
+    line with status 2, anything else is a bug and keeps its traceback."""
+
+    def wrap(body: Main) -> Main:
+        @functools.wraps(body)
+        def run(argv: list[str]) -> int:
+            try:
+                return body(list(argv))
+            except SystemExit as e:  # argparse's --help
+                return e.code if isinstance(e.code, int) else 0
+            except UsageError as e:  # no import needed to recognise the common case
+                return fail(name, e)
+            except Exception as e:
+                if isinstance(e, user_errors()):
+                    return fail(name, e)
+                raise
+
+        return run
+
+    return wrap
+
+
+def rename_fields(message: str, names: dict[str, str]) -> str:
+    """Say the user's flag where the library names its own parameter (`warmup_steps` →
+    `--warmup`), so a message points at what the user actually typed."""
+    if not names:
+        return message
+    pattern = r"(?<![\w.-])(" + "|".join(re.escape(k) for k in names) + r")(?![\w-])"
+    return re.sub(pattern, lambda m: names[m.group(1)], message)
+
+
+# ---------------------------------------------------------------------- numbers
+def finite_float(text: str) -> float:
+    """argparse type: a float that is neither inf nor nan."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return x
+
+
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_COUNT_SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def parse_count(text: str, flag: str, *, minimum: int = 1, limit: int = 10**18) -> int:
+    """'7.5e9', '7.5B', '125M', '4k' → an element count in [minimum, limit]."""
+    m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([kKmMbBtT]?)\s*", text)
+    if not m:
+        raise UsageError(f"{flag} {text!r} is not a count; write e.g. 7.5e9, 7.5B or 125M")
+    x = float(m.group(1)) * _COUNT_SCALE[m.group(2).lower()]
+    if not math.isfinite(x) or x > limit:
+        raise UsageError(f"{flag} {text!r} is too large (at most {limit:.0e})")
+    n = round(x)
+    if n < minimum:
+        raise UsageError(f"{flag} must be at least {minimum}, got {text!r}")
+    return n
+
+
+class Size(NamedTuple):
+    """A byte count, and whether the user spoke in powers of 1024 (so answers can too)."""
+
+    nbytes: int
+    binary: bool
+
+
+# prefix as typed, upper-cased ('G' of '80G' or '80GB', 'GI' of '80GiB') -> bytes
+_DECIMAL = {u[0]: f for u, f in DECIMAL.items()}
+_BINARY = {u[:2].upper(): f for u, f in BINARY.items()}
+_SIZE_LIMIT = 10**21  # a zettabyte: beyond any machine, still far from float overflow
+
+
+def size_help(bare_unit: str) -> str:
+    """The sentence every size option's help ends with."""
+    return (f"KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024; "
+            f"a bare number means {bare_unit}")
+
+
+def parse_size(text: str, flag: str, *, bare_unit: str) -> Size:
+    """'28GB' → 28·10^9, '1.5GiB' → 1.5·2^30, '512 kb' → 512·10^3; a bare number is
+    `bare_unit` ('B', 'GB', ...), which each option states in its help.
+
+    GB is 10^9 bytes, as on an accelerator's datasheet; GiB is 2^30.
+    """
+    m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([A-Za-z]*)\s*", text)
+    unit = (m.group(2) if m else "").upper() or bare_unit.upper()
+    prefix = unit[:-1] if unit.endswith("B") else unit  # '80G' and '80GB' alike
+    factor = 1 if prefix == "" else _DECIMAL.get(prefix) or _BINARY.get(prefix)
+    if m is None or factor is None:
+        raise UsageError(f"{flag} {text!r} is not a size; write e.g. 28GB, 512MB or 1.5GiB "
+                         f"({size_help(bare_unit)})")
+    x = float(m.group(1)) * factor
+    if not math.isfinite(x) or x > _SIZE_LIMIT:
+        raise UsageError(f"{flag} {text!r} is too large (at most 1e21 bytes)")
+    nbytes = round(x)
+    if nbytes <= 0:
+        raise UsageError(f"{flag} must be positive, got {text!r}")
+    return Size(nbytes, prefix in _BINARY)
+
+
+# ---------------------------------------------------------------------- files
+def plot_path(text: str, flag: str = "--plot") -> Path:
+    """A path matplotlib can write, checked before any work is done."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    path = Path(text)
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in kinds:
+        what = f"matplotlib cannot write .{suffix} files" if suffix else "no file type"
+        raise UsageError(f"{flag} {text!r}: {what}; end the name in one of "
+                         f"{', '.join('.' + k for k in kinds)}")
+    if path.is_dir():
+        raise UsageError(f"{flag} {text!r} is a directory; give a file name such as "
+                         f"{path / 'plot.png'}")
+    return path

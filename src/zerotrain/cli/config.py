@@ -1,0 +1,36 @@
+"""`zerotrain config show`: the config a run would use, fully resolved."""
+
+from __future__ import annotations
+
+import json
+
+from zerotrain.cli.args import Parser, command
+
+
+def _parser() -> Parser:
+    p = Parser("config", "Work with zerotrain configs.")
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    show = sub.add_parser(
+        "show", prog="zerotrain config show", formatter_class=p.formatter_class,
+        help="print the config a run would use: defaults, then --config FILE, then overrides",
+        description="Print the config a run would use: the defaults, then a --config file, "
+        "then --section.key VALUE overrides (the same flags `zerotrain train` takes).",
+        usage="zerotrain config show [--config FILE] [--json] [--section.key VALUE ...]")
+    show.add_argument("--config", metavar="FILE", help="YAML or JSON config to start from")
+    show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    return p
+
+
+@command("config")
+def main_config(argv: list[str]) -> int:
+    from zerotrain.config import load_config
+
+    args, overrides = _parser().parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    if args.json:
+        print(json.dumps(cfg.to_dict(), indent=2))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    return 0

@@ -1,0 +1,269 @@
+"""`zerotrain estimate`: the memory model of `memory.py` as a table, a plot, and the
+inverse question (the largest model that fits a device, and the host beside it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from zerotrain.cli.args import (
+    Parser,
+    UsageError,
+    command,
+    finite_float,
+    parse_count,
+    parse_size,
+    plot_path,
+    size_help,
+)
+from zerotrain.memory import (
+    PRECISIONS,
+    MemoryEstimate,
+    activation_bytes,
+    activation_dtype_bytes,
+    bytes_per_param,
+    max_params,
+    model_state_bytes,
+    traffic_per_step,
+)
+from zerotrain.models import model_size
+from zerotrain.optim import state_bytes_per_param
+
+if TYPE_CHECKING:
+    from zerotrain.config import Config
+
+ROWS = [("DDP", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3", 3, False),
+        ("ZeRO-2+offload", 2, True), ("ZeRO-3+offload", 3, True)]
+
+
+def _build_parser() -> Parser:
+    p = Parser("estimate", "Per-rank memory and traffic of DDP, ZeRO-1/2/3 and Offload "
+               "(docs/design.md §zero, §offload). Flags override --model's config file, which "
+               "overrides the defaults.")
+    src = p.add_argument_group("model size (one of)")
+    src.add_argument("--params", metavar="N", help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
+    src.add_argument("--model", metavar="CONFIG.yaml",
+                     help="zerotrain config file: Ψ counted on the meta device, plus activations")
+    p.add_argument("--gpus", metavar="N", type=int, required=True,
+                   help="data-parallel world size")
+    p.add_argument("--optimizer", metavar="NAME",
+                   help="adamw, adam, sgd, adagrad, rmsprop, lion or muon (default: adamw)")
+    p.add_argument("--momentum", metavar="M", type=finite_float,
+                   help="SGD/RMSProp momentum (adds a state)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="compute precision (default: bf16 with fp32 master weights)")
+    p.add_argument("--grad-dtype", choices=("compute", "fp32"),
+                   help="gradient dtype (default: compute, the precision's own)")
+    p.add_argument("--gpu-mem", metavar="SIZE",
+                   help=f"device memory per GPU, e.g. 80GB or 80GiB ({size_help('GB')})")
+    p.add_argument("--host-mem", metavar="SIZE", help="host memory per rank, for the offload "
+                   f"rows, e.g. 512GB ({size_help('GB')})")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="show only this stage")
+    p.add_argument("--offload", action="store_true", help="show only the offload rows")
+    p.add_argument("--largest-unit", metavar="N",
+                   help="ZeRO-3 gather unit in elements (--params mode)")
+    p.add_argument("--micro-batch", metavar="B", type=int,
+                   help="sequences per rank (--model; default: data.micro_batch_size)")
+    p.add_argument("--seq", metavar="S", type=int,
+                   help="sequence length (--model; default: model.block_size)")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="keep only block inputs (--model; default from the config)")
+    p.add_argument("--max-params", action="store_true",
+                   help="largest Ψ per stage that fits in --gpu-mem (and --host-mem)")
+    p.add_argument("--bandwidth", metavar="GB/S", type=finite_float,
+                   help="link GB/s: adds α–β comm time per step")
+    p.add_argument("--latency", metavar="US", type=finite_float, default=5.0,
+                   help="link latency in µs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE",
+                   help="stacked bar chart of device memory per stage (.png, .pdf, .svg, ...)")
+    return p
+
+
+def training_refuses(optimizer: str, stage: int, offload: bool) -> str | None:
+    """Why `zerotrain train` would refuse `optimizer` at this stage, or None.
+
+    The config validator answers, so the estimator offers exactly what training accepts
+    (today: Muon at stage 0 only) and follows by itself when that rule changes.
+    """
+    from zerotrain.config import ConfigError, build_config
+
+    zero = {"stage": stage, "offload_optimizer": "cpu" if offload else "none"}
+    try:
+        build_config({"optimizer": {"name": optimizer}, "zero": zero})
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _load_model_config(args: argparse.Namespace) -> Config | None:
+    if args.model:
+        from zerotrain.config import load_config
+
+        return load_config(args.model)
+    if args.micro_batch or args.seq or args.activation_checkpointing:
+        raise UsageError("--micro-batch/--seq/--activation-checkpointing need --model "
+                         "(activations depend on the model's shape)")
+    return None
+
+
+def _resolve(args: argparse.Namespace) -> dict:
+    """Turn flags (and an optional config file) into one plain settings dict."""
+    if (args.params is None) == (args.model is None):
+        raise UsageError("give exactly one of --params N or --model CONFIG.yaml")
+    if args.gpus < 1:
+        raise UsageError(f"--gpus must be >= 1, got {args.gpus}")
+    cfg = _load_model_config(args)
+
+    def pick(flag, from_cfg, default):
+        return flag if flag is not None else (from_cfg() if cfg is not None else default)
+
+    s = {
+        "world_size": args.gpus,
+        "precision": pick(args.precision, lambda: cfg.precision.dtype, "bf16"),
+        "grad_dtype": pick(args.grad_dtype, lambda: cfg.precision.grad_accum_dtype, "compute"),
+        "optimizer": pick(args.optimizer, lambda: cfg.optimizer.name, "adamw"),
+        "momentum": pick(args.momentum, lambda: cfg.optimizer.momentum, 0.0),
+        "activations": 0, "largest_unit": 0,
+    }
+    try:
+        k = state_bytes_per_param(s["optimizer"], s["momentum"])
+        s["bytes_per_param"] = asdict(bytes_per_param(s["precision"], k,
+                                                      grad_dtype=s["grad_dtype"]))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if cfg is not None:
+        s.update(_model_settings(args, cfg, pick, s["precision"]))
+    else:
+        s["psi"] = parse_count(args.params, "--params")
+        if args.largest_unit is not None:
+            s["largest_unit"] = parse_count(args.largest_unit, "--largest-unit")
+    s.update(_limits(args))
+    return s
+
+
+def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., Any],
+                    precision: str) -> dict:
+    """Ψ, the ZeRO-3 unit and the activations of the config's reference GPT."""
+    mc = cfg.model
+    b = pick(args.micro_batch, lambda: cfg.data.micro_batch_size, 1)
+    seq = pick(args.seq, lambda: mc.block_size, 1)
+    if b < 1 or not 1 <= seq <= mc.block_size:
+        raise UsageError(f"--micro-batch must be >= 1 and --seq in 1..{mc.block_size} "
+                         f"(model.block_size); got {b} and {seq}")
+    ckpt = pick(args.activation_checkpointing, lambda: mc.activation_checkpointing, False)
+    psi, largest = model_size(mc)
+    return dict(psi=psi, largest_unit=largest, micro_batch=b,
+                seq=seq, activation_checkpointing=ckpt,
+                activations=activation_bytes(mc, b, seq, checkpointing=ckpt,
+                                             act_bytes=activation_dtype_bytes(precision)))
+
+
+def _limits(args: argparse.Namespace) -> dict:
+    gpu = parse_size(args.gpu_mem, "--gpu-mem", bare_unit="GB") if args.gpu_mem else None
+    host = parse_size(args.host_mem, "--host-mem", bare_unit="GB") if args.host_mem else None
+    if args.max_params and gpu is None:
+        raise UsageError("--max-params needs --gpu-mem (the limit to fit under)")
+    if args.bandwidth is not None and (args.bandwidth <= 0 or args.latency < 0):
+        raise UsageError("--bandwidth must be > 0 GB/s and --latency >= 0 µs")
+    binary = (gpu or host).binary if (gpu or host) else False
+    return {"gpu_mem": gpu.nbytes if gpu else None, "host_mem": host.nbytes if host else None,
+            "unit": "GiB" if binary else "GB"}
+
+
+def _rows(args: argparse.Namespace, optimizer: str) -> tuple[list, dict[str, str]]:
+    """The rows to show, and those left out because training refuses them (with why)."""
+    rows = [r for r in ROWS if (args.stage is None or r[1] == args.stage)
+            and (not args.offload or r[2])]
+    if not rows:
+        raise UsageError(f"stage {args.stage} has no offload variant (offload needs stage 2 "
+                         "or 3)")
+    refused = {label: why for label, st, off in rows
+               if (why := training_refuses(optimizer, st, off)) is not None}
+    if refused and (args.stage is not None or len(refused) == len(rows)):
+        label, why = next(iter(refused.items()))
+        raise UsageError(f"{label} with --optimizer {optimizer}: zerotrain train refuses it "
+                         f"({why})")
+    return [r for r in rows if r[0] not in refused], refused
+
+
+def _row(s: dict, stage: int, offload: bool, psi: int | None = None) -> MemoryEstimate:
+    bpp = s["bytes_per_param"]
+    est = model_state_bytes(
+        s["psi"] if psi is None else psi, s["world_size"], stage, param_bytes=bpp["params"],
+        grad_bytes=bpp["grads"], master_bytes=bpp["master"], optim_bytes=bpp["optimizer"],
+        offload=offload, largest_unit=s["largest_unit"])
+    est.activations = s["activations"]
+    return est
+
+
+def _fits(s: dict, est: MemoryEstimate) -> tuple[bool | None, bool | None]:
+    """(fits the device, fits the host); None where no limit was given."""
+    dev = None if s["gpu_mem"] is None else est.device_total <= s["gpu_mem"]
+    host = None if s["host_mem"] is None else est.host_total <= s["host_mem"]
+    return dev, host
+
+
+def _largest(s: dict, stage: int, offload: bool) -> dict:
+    """The largest Ψ within the limits, and the host memory a row needs at that Ψ."""
+    def fits(p: int) -> bool:
+        return all(x is not False for x in _fits(s, _row(s, stage, offload, p)))
+
+    try:
+        mp = max_params(fits)
+    except ValueError as e:  # the bisection found no upper bound
+        raise UsageError(f"--max-params: {e}; give a smaller --gpu-mem or --host-mem") from None
+    host = _row(s, stage, offload, mp).host_total if mp is not None else 0
+    return {"max_params": mp, "max_params_host_bytes": host}
+
+
+def _report(s: dict, rows: list[tuple[str, int, bool]], args: argparse.Namespace) -> dict:
+    bpp = s["bytes_per_param"]
+    out: dict = dict(s)
+    out["unit_bytes"] = 2**30 if s["unit"] == "GiB" else 10**9
+    out["rows"] = []
+    for label, stage, off in rows:
+        est = _row(s, stage, off)
+        tr = traffic_per_step(s["psi"], s["world_size"], stage, param_bytes=bpp["params"],
+                              grad_bytes=bpp["grads"], offload=off)
+        dev_fits, host_fits = _fits(s, est)
+        r = {"label": label, "stage": stage, "offload": off, "device": est.device,
+             "host": est.host, "gathered": est.gathered, "activations": est.activations,
+             "padding_elems": est.padding_elems, "device_total": est.device_total,
+             "host_total": est.host_total, "fits": dev_fits, "host_fits": host_fits,
+             "traffic": {"sent_numel": tr.sent_numel, "sent_bytes": tr.sent_bytes,
+                         "device_to_host_bytes": tr.device_to_host_bytes,
+                         "host_to_device_bytes": tr.host_to_device_bytes,
+                         "collectives": [asdict(c) for c in tr.collectives]}}
+        if args.bandwidth is not None:
+            r["traffic"]["time_s"] = tr.time_s(args.bandwidth, args.latency)
+        if args.max_params:
+            r.update(_largest(s, stage, off))
+        out["rows"].append(r)
+    return out
+
+
+@command("estimate")
+def main_estimate(argv: list[str]) -> int:
+    """`zerotrain estimate`: prints the table (or JSON); 2 with one message on bad input."""
+    from zerotrain.cli.estimate_table import format_table, plot_memory
+
+    args = _build_parser().parse_args(argv)
+    plot = plot_path(args.plot) if args.plot else None
+    s = _resolve(args)
+    rows, refused = _rows(args, s["optimizer"])
+    rep = _report(s, rows, args)
+    rep["left_out"] = refused
+    if plot is not None:
+        try:
+            plot_memory(rep, plot)
+        except OSError as e:
+            raise UsageError(f"cannot write --plot '{plot}': {e.strerror or e}") from None
+    print(json.dumps(rep, indent=2) if args.json else format_table(rep))
+    if plot is not None:  # after the table; beside JSON it goes to stderr, to keep JSON clean
+        print(f"plot written to {plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0

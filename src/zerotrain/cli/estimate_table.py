@@ -1,0 +1,159 @@
+"""How `zerotrain estimate` shows a report: the table, and the stacked-bar plot.
+
+Both pick one unit for all their numbers from the numbers themselves (`table_unit`): MB
+for a small model, GB for a 7B one, in the family of --gpu-mem (GB = 10^9, GiB = 2^30).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerotrain.cli.units import pick_unit, table_unit, unit_words
+from zerotrain.memory import FIELDS
+
+_W = 9  # column width
+_COLS = ["params", "grads", "master", "optim", "gathered", "activ", "TOTAL"]
+_HCOLS = ["grads", "master", "optim", "TOTAL"]
+
+
+def display_unit(rep: dict) -> tuple[str, int]:
+    """One unit for every number of the report."""
+    values = [v for r in rep["rows"]
+              for v in (r["device_total"], r["host_total"], r["traffic"]["sent_bytes"])]
+    return table_unit(values, binary=rep["unit"] == "GiB")
+
+
+def _limit(nbytes: int, binary: bool) -> str:
+    """A limit in its own best unit: '80 GB', '1 GiB'."""
+    name, factor = pick_unit(nbytes, binary)
+    return f"{nbytes / factor:g} {name}"
+
+
+def _fmt(x: float, u: int) -> str:
+    return f"{x / u:{_W}.2f}" if x else f"{'-':>{_W}}"
+
+
+def _fits_text(r: dict) -> str:
+    if r["fits"] is False:
+        return "  DOES NOT FIT"
+    if r.get("host_fits") is False:
+        return "  DOES NOT FIT (host)"
+    return "  FITS"
+
+
+def _head(rep: dict, unit: tuple[str, int]) -> list[str]:
+    bpp, lim, binary = rep["bytes_per_param"], rep["gpu_mem"], rep["unit"] == "GiB"
+    limits = [f"device limit {_limit(lim, binary)}"] if lim is not None else []
+    if rep.get("host_mem") is not None:
+        limits.append(f"host limit {_limit(rep['host_mem'], binary)}")
+    lines = [
+        f"zerotrain estimate: Ψ = {rep['psi']:,} params on N = {rep['world_size']} ranks, "
+        f"{rep['precision']} (grads {rep['grad_dtype']}), {rep['optimizer']}",
+        "bytes/param: params {params}, grads {grads}, master {master}, optimizer {optimizer}"
+        .format(**bpp) + f"  (K = {bpp['master'] + bpp['optimizer']})",
+        f"memory per rank in {unit_words(unit)}" + "".join(f"; {x}" for x in limits),
+    ]
+    if rep["activations"]:
+        lines.append(f"activations: micro-batch {rep['micro_batch']} × seq {rep['seq']}"
+                     f"{' (checkpointed)' if rep['activation_checkpointing'] else ''}")
+    return lines
+
+
+def _row_line(r: dict, u: int, limits: bool) -> str:
+    d, h = r["device"], r["host"]
+    vals = [d["params"], d["grads"], d["master"], d["optimizer"], r["gathered"],
+            r["activations"], r["device_total"]]
+    hv = [h["grads"], h["master"], h["optimizer"], r["host_total"]]
+    line = (f"{r['label']:<15}|" + "".join(_fmt(v, u) for v in vals) + " |"
+            + "".join(_fmt(v, u) for v in hv) + f" |{_fmt(r['traffic']['sent_bytes'], u)}")
+    if "time_s" in r["traffic"]:
+        line += f" {r['traffic']['time_s'] * 1e3:{_W}.1f}"
+    return line + (_fits_text(r) if limits else "")
+
+
+def _notes(rep: dict, unit: tuple[str, int]) -> list[str]:
+    (name, u), lines = unit, []
+    off = next((r["traffic"] for r in rep["rows"] if r["offload"]), None)
+    if off:
+        d2h, h2d = off["device_to_host_bytes"] / u, off["host_to_device_bytes"] / u
+        lines.append(f"offload rows also copy per step and rank: {d2h:.2f} {name} grad shard "
+                     f"device→host, {h2d:.2f} {name} param shard host→device (not in 'sent')")
+    if any(r["stage"] == 3 for r in rep["rows"]) and not rep["largest_unit"]:
+        lines.append("ZeRO-3 'gathered' (the largest unit's full params) not counted: "
+                     "pass --model or --largest-unit")
+    lines.append("sent = bytes each rank sends in collectives per step (ring);"
+                 " transient gradient buckets are not counted in memory")
+    if rep.get("left_out"):
+        why = next(iter(rep["left_out"].values()))
+        lines.append(f"not shown: {', '.join(rep['left_out'])}, which zerotrain train refuses "
+                     f"with {rep['optimizer']} ({why})")
+    return lines
+
+
+def _largest_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
+    binary = rep["unit"] == "GiB"
+    fixed = " (activations and gathered unit held fixed)" if rep["activations"] else ""
+    host = f" and {_limit(rep['host_mem'], binary)} of host" if rep.get("host_mem") else ""
+    lines = ["", f"largest Ψ that fits in {_limit(rep['gpu_mem'], binary)} per device{host}"
+                 f"{fixed}:"]
+    for r in rep["rows"]:
+        mp = r["max_params"]
+        text = ("nothing fits (fixed costs exceed the limit)" if mp is None
+                else f"{mp:,} ({mp / 1e9:.2f}B)")
+        if mp is not None and r["offload"] and rep.get("host_mem") is None:
+            need = r["max_params_host_bytes"] / unit[1]
+            text += (f", needing {need:.2f} {unit[0]} of host memory per rank "
+                     "(bound it with --host-mem)")
+        lines.append(f"  {r['label']:<15} {text}")
+    return lines
+
+
+def format_table(rep: dict) -> str:
+    """The human table: one row per stage, device and host parts, traffic, FITS."""
+    unit = display_unit(rep)
+    limits = rep["gpu_mem"] is not None or rep.get("host_mem") is not None
+    head = (f"{'stage':<15}|" + "".join(f"{c:>{_W}}" for c in _COLS) + " |"
+            + "".join(f"{c:>{_W}}" for c in _HCOLS) + f" |{'sent':>{_W}}")
+    if any("time_s" in r["traffic"] for r in rep["rows"]):
+        head += f" {'comm ms':>{_W}}"
+    if limits:
+        head += "  fits"
+    groups = (f"{'':15}|{'device per rank':^{_W * len(_COLS)}} |"
+              f"{'host per rank':^{_W * len(_HCOLS)}} |{'per step':>{_W}}")
+    lines = [*_head(rep, unit), groups, head, "-" * len(head)]
+    lines += [_row_line(r, unit[1], limits) for r in rep["rows"]]
+    lines += _notes(rep, unit)
+    if rep["rows"] and "max_params" in rep["rows"][0]:
+        lines += _largest_lines(rep, unit)
+    return "\n".join(lines)
+
+
+def plot_memory(rep: dict, path: Path) -> None:
+    """Stacked device-memory bars per stage with the limit as a line (Agg, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (name, u), rows = display_unit(rep), rep["rows"]
+    parts = [(f, lambda r, f=f: r["device"][f]) for f in FIELDS]
+    parts += [("gathered unit", lambda r: r["gathered"]),
+              ("activations", lambda r: r["activations"])]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for label, get in parts:
+        vals = [get(r) / u for r in rows]
+        if any(vals):
+            ax.bar(x, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    if rep["gpu_mem"] is not None:
+        ax.axhline(rep["gpu_mem"] / u, color="k", ls="--", label="device memory")
+    ax.set_xticks(list(x), [r["label"] for r in rows])
+    ax.set_ylabel(f"{name} per device")
+    ax.set_title(f"Ψ = {rep['psi']:,}, N = {rep['world_size']}, {rep['precision']}, "
+                 f"{rep['optimizer']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

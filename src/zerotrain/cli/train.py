@@ -1,0 +1,131 @@
+"""`zerotrain train`: validate the config, then train here or on --nproc local ranks.
+
+Our own flags are pulled out by hand (`_split_known`), because everything else on the
+line is a config override (`--optimizer.lr 3e-4`), whose names argparse cannot know.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from zerotrain.cli.args import Parser, UsageError, command
+
+# One line per config section, for `train --help` (a test keeps it equal to Config's).
+SECTIONS = {
+    "model": "size of the reference GPT",
+    "data": "corpus, validation split, micro-batch and accumulation",
+    "optimizer": "update rule and its hyperparameters, gradient clipping",
+    "schedule": "learning rate: warmup, hold, decay, floor",
+    "precision": "fp32, bf16 or fp16 compute; loss scaling",
+    "zero": "ZeRO stage, offload, buckets, overlap, prefetch",
+    "comm": "backend and collective algorithm (native or ring)",
+    "checkpoint": "how often to save, how many to keep",
+    "logging": "run folder, progress bar, evaluation, samples",
+    "train": "steps, seed, device, threads",
+}
+
+
+def _sections_text() -> str:
+    from zerotrain.config import Config
+
+    lines = ["config sections (override any field as --section.key VALUE):"]
+    for name, info in Config.model_fields.items():
+        keys = ", ".join(info.annotation.model_fields)  # type: ignore[union-attr]
+        lines.append(f"  {name:<12}{SECTIONS.get(name, '')}")
+        lines += textwrap.wrap(keys, 78, initial_indent=" " * 16, subsequent_indent=" " * 16)
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    p = Parser("train", "Train the reference GPT. Every config field can be overridden on "
+               "the command line, e.g. --optimizer.lr 3e-4 --zero.stage 2.",
+               usage="zerotrain train [--config FILE] [--nproc N] [--resume [CKPT|auto]]\n"
+                     "                       [--deepspeed FILE] [--max-restarts K] "
+                     "[--section.key VALUE ...]",
+               epilog=_sections_text() + "\n\nSee the resolved values with `zerotrain config "
+               "show [the same flags]`; the stages are explained in docs/design.md §zero.")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON config; flags override it")
+    p.add_argument("--nproc", metavar="N", help="start N local ranks through torchrun's own "
+                   "machinery (standalone rendezvous); default: this one process")
+    p.add_argument("--resume", metavar="CKPT|auto", nargs="?",
+                   help="continue from a checkpoint: alone, the run's latest one in "
+                   "logging.run_dir; a path, that checkpoint; 'auto', the latest if one "
+                   "exists, else start fresh (for preemptible jobs)")
+    p.add_argument("--deepspeed", metavar="FILE", help="take the settings from a DeepSpeed "
+                   "JSON config (batch, ZeRO, precision, optimizer, scheduler)")
+    p.add_argument("--max-restarts", metavar="K", help="restart the ranks up to K times "
+                   "after a failure; they resume from the last complete checkpoint")
+    return p.format_help()
+
+
+def _split_known(argv: list[str], flags: dict[str, bool]) -> tuple[dict, list[str]]:
+    """Pull our own flags (name -> takes_value) out; the rest are config overrides."""
+    found: dict[str, str | bool] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, val = tok.partition("=")
+        if name in flags:
+            if flags[name]:
+                if eq:
+                    found[name] = val
+                elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    found[name] = argv[i + 1]
+                    i += 1
+                else:
+                    found[name] = ""
+            else:
+                found[name] = True
+            i += 1
+            continue
+        rest.append(tok)
+        i += 1
+    return found, rest
+
+
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for i, tok in enumerate(argv):
+        if skip:
+            skip = False
+        elif tok == flag:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        elif not tok.startswith(flag + "="):
+            out.append(tok)
+    return out
+
+
+def _nproc(text: str | bool) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"--nproc must be a whole number of ranks, got {text!r}") from None
+    if n < 1:
+        raise UsageError(f"--nproc must be >= 1, got {n}")
+    return n
+
+
+@command("train")
+def main_train(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    from zerotrain.config import load_config
+
+    opts, overrides = _split_known(argv, {"--config": True, "--nproc": True, "--resume": True})
+    cfg = load_config(opts.get("--config") or None, overrides)  # validate before launching
+    if opts.get("--nproc") == "":
+        raise UsageError("--nproc needs a number of ranks, e.g. --nproc 2")
+    nproc = _nproc(opts["--nproc"]) if "--nproc" in opts else 1
+    if nproc > 1:
+        from zerotrain.comm.dist import launched_by_torchrun
+        from zerotrain.comm.launch import launch_local
+
+        if not launched_by_torchrun():
+            return launch_local(nproc, ["train", *_drop_flag(argv, "--nproc")])
+    from zerotrain.train import train
+
+    resume = opts.get("--resume")
+    train(cfg, resume=None if resume is None else str(resume))
+    return 0

@@ -1,0 +1,249 @@
+"""The import layers of `src/zerotrain`, read from the source (AST), not from a running import.
+
+Every import counts: module level, inside functions, and under `if TYPE_CHECKING:`. Imports
+point down the layers only; no zerotrain module imports itself through a circle; and the
+library below the application layer imports no argparse, matplotlib or tqdm (the commands
+in `zerotrain.cli` own all of that).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Higher layers may import lower ones and their own layer, never a higher one.
+APP = 6
+LAYERS = {
+    "zerotrain": APP,  # the package __init__ (zerotrain.initialize)
+    "zerotrain.__main__": APP,
+    "zerotrain.train": APP,
+    "zerotrain.cli": APP,
+    "zerotrain.report": APP,  # progress, metrics and plots of a training run
+    "zerotrain.engine": 5,
+    "zerotrain.engine_api": 5,  # the DeepSpeed-style methods beside the engine
+    "zerotrain.checkpoint": 4,
+    "zerotrain.zero": 3,
+    "zerotrain.comm": 2,
+    "zerotrain.optim": 2,
+    "zerotrain.models": 2,
+    "zerotrain.data": 2,
+    "zerotrain.numerics": 1,
+    "zerotrain.memory": 1,
+    "zerotrain.config": 1,
+}
+# Packages with submodules (a prefix covers them); the others name one module each.
+PACKAGES = {"zerotrain.cli", "zerotrain.checkpoint", "zerotrain.zero", "zerotrain.comm",
+            "zerotrain.optim", "zerotrain.models", "zerotrain.data", "zerotrain.numerics"}
+# Only the application layer may use these (command lines, plots, progress bars).
+APP_ONLY = ("argparse", "matplotlib", "tqdm")
+
+# PENDING: known upward imports still to remove (none today). Keep the mechanism: an
+# entry here must name a real upward import, or test_pending_is_current fails.
+PENDING: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str  # a zerotrain module, or the top-level name of an outside package
+    file: str  # as shown in messages: src/zerotrain/...
+    line: int
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def module_name(path: Path, root: Path = SRC) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int | None:
+    """The layer of a zerotrain module, or None if the table does not place it."""
+    for prefix, rank in LAYERS.items():
+        if module == prefix or (prefix in PACKAGES and module.startswith(prefix + ".")):
+            return rank
+    return None
+
+
+def imports_of(path: Path, module: str, known: set[str], root: Path = SRC) -> list[Import]:
+    """Every import statement in the file, resolved to the module it loads."""
+    shown = str(path.relative_to(root.parent))
+    is_package = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package this module is in
+                pkg = module.split(".")
+                pkg = pkg[: len(pkg) - node.level + (1 if is_package else 0)]
+                base = ".".join(pkg + ([base] if base else []))
+            # `from pkg import sub` loads the submodule when there is one
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            target = t if t.startswith("zerotrain") else t.split(".")[0]
+            out.append(Import(module, target, shown, node.lineno))
+    return out
+
+
+def scan(root: Path = SRC) -> list[Import]:
+    files = {module_name(p, root): p for p in sorted((root / "zerotrain").rglob("*.py"))}
+    return [imp for m, p in files.items() for imp in imports_of(p, m, set(files), root)]
+
+
+def layer_problems(imports: list[Import], pending: set[tuple[str, str]]) -> list[str]:
+    problems = []
+    for imp in imports:
+        own = layer(imp.importer)
+        if own is None:
+            problems.append(f"{imp.where()}: module {imp.importer} is in no layer; add it "
+                            "to the layer table in tests/test_layers.py")
+            continue
+        if not imp.target.startswith("zerotrain"):
+            if own < APP and imp.target in APP_ONLY:
+                problems.append(f"{imp.where()}: {imp.importer} imports {imp.target}, which "
+                                "belongs in the application layer (zerotrain.cli)")
+            continue
+        theirs = layer(imp.target)
+        if theirs is None:
+            problems.append(f"{imp.where()}: {imp.target} is in no layer; add it to the "
+                            "layer table in tests/test_layers.py")
+        elif theirs > own and (imp.importer, imp.target) not in pending:
+            problems.append(f"{imp.where()}: {imp.importer} (layer {own}) imports "
+                            f"{imp.target} (layer {theirs}): imports must point down")
+    return problems
+
+
+def cycles(imports: list[Import]) -> list[list[Import]]:
+    """One import circle per strongly connected group of zerotrain modules (Tarjan)."""
+    edges: dict[str, dict[str, Import]] = {}
+    for imp in imports:
+        if imp.target.startswith("zerotrain") and imp.target != imp.importer:
+            edges.setdefault(imp.importer, {}).setdefault(imp.target, imp)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return [_circle(sorted(g)[0], g, edges) for g in groups]
+
+
+def _circle(start: str, group: set[str], edges: dict[str, dict[str, Import]]) -> list[Import]:
+    """A shortest path start -> ... -> start inside the group, as the imports that make it."""
+    paths: dict[str, list[Import]] = {start: []}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w, imp in edges.get(v, {}).items():
+                if w == start:
+                    return [*paths[v], imp]
+                if w in group and w not in paths:
+                    paths[w] = [*paths[v], imp]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no circle through {start}")
+
+
+def describe(circle: list[Import]) -> str:
+    return " -> ".join(f"{imp.importer} ({imp.where()})" for imp in circle) + \
+        f" -> {circle[0].importer}"
+
+
+# ---------------------------------------------------------------------- the real tree
+def test_imports_point_down_the_layers():
+    problems = layer_problems(scan(), PENDING)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycles():
+    found = cycles(scan())
+    assert not found, "import cycles:\n" + "\n".join(describe(c) for c in found)
+
+
+def test_pending_is_current():
+    """Each PENDING entry is still an upward import; remove it once it is fixed."""
+    real = {(i.importer, i.target) for i in scan()}
+    stale = {p for p in PENDING if p not in real or layer(p[1]) <= layer(p[0])}
+    assert not stale, f"fixed, remove from PENDING in tests/test_layers.py: {sorted(stale)}"
+
+
+# ---------------------------------------------------------------------- the checker itself
+def _tree(tmp_path: Path, files: dict[str, str]) -> list[Import]:
+    for name, text in files.items():
+        f = tmp_path / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return scan(tmp_path)
+
+
+def test_checker_finds_upward_hidden_and_app_only_imports(tmp_path):
+    imports = _tree(tmp_path, {
+        "zerotrain/__init__.py": "",
+        "zerotrain/engine.py": "",
+        "zerotrain/numerics/__init__.py": "",
+        "zerotrain/numerics/a.py": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from zerotrain.engine import Engine\n"
+            "def f():\n    import argparse\n    from ..zero import base\n"),
+        "zerotrain/zero/__init__.py": "",
+        "zerotrain/zero/base.py": "",
+        "zerotrain/extra.py": "import zerotrain.config\n",
+    })
+    text = "\n".join(layer_problems(imports, set()))
+    assert "a.py:3: zerotrain.numerics.a (layer 1) imports zerotrain.engine (layer 5)" in text
+    assert "a.py:5: zerotrain.numerics.a imports argparse" in text
+    assert "a.py:6: zerotrain.numerics.a (layer 1) imports zerotrain.zero.base (layer 3)" in text
+    assert "module zerotrain.extra is in no layer; add it to the layer table" in text
+    allowed = {("zerotrain.numerics.a", "zerotrain.engine")}
+    assert "zerotrain.engine (layer 5)" not in "\n".join(layer_problems(imports, allowed))
+
+
+def test_checker_finds_a_lazy_cycle(tmp_path):
+    imports = _tree(tmp_path, {
+        "zerotrain/numerics/__init__.py": "",
+        "zerotrain/numerics/formats.py": "def f():\n    from zerotrain.numerics import codec\n",
+        "zerotrain/numerics/codec.py": "from zerotrain.numerics.formats import f\n",
+        "zerotrain/numerics/notation.py": "from zerotrain.numerics.formats import f\n",
+    })
+    (circle,) = cycles(imports)
+    assert [i.importer for i in circle] == ["zerotrain.numerics.codec",
+                                             "zerotrain.numerics.formats"]
+    assert "formats.py:2" in describe(circle)
+
+
+@pytest.mark.parametrize("module", ["zerotrain.cli.args", "zerotrain.train", "zerotrain"])
+def test_app_layer(module):
+    assert layer(module) == APP
