@@ -38,7 +38,7 @@ from zerotrain.config import (
     read_config_file,
 )
 from zerotrain.deepspeed_config import sections
-from zerotrain.deepspeed_config.keys import FEATURES, IGNORED, KNOWN_TOP
+from zerotrain.deepspeed_config.keys import KNOWN_TOP
 from zerotrain.deepspeed_config.optim import map_optimizer, map_scheduler
 from zerotrain.deepspeed_config.reader import Reader
 
@@ -153,7 +153,7 @@ def looks_like_deepspeed(data: dict[str, Any]) -> bool:
     """Whether a config dict is DeepSpeed's: a DeepSpeed-only key, or a DeepSpeed-shaped
     `optimizer` ({type, params}); zerotrain's sections otherwise."""
     ours = set(Config.model_fields)
-    if any(k not in ours and (k in KNOWN_TOP or k in IGNORED or k in FEATURES) for k in data):
+    if any(k not in ours and k in KNOWN_TOP for k in data):
         return True
     opt = data.get("optimizer")
     return isinstance(opt, dict) and ("type" in opt or "params" in opt)

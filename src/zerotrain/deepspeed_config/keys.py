@@ -124,10 +124,23 @@ FEATURES: dict[str, str] = {
     "flops_profiler": "",
 }
 
-#: Top-level keys the mapping reads (for "did you mean" and telling configs apart).
-KNOWN_TOP: tuple[str, ...] = (
+_P, _S = "optimizer.params.", "scheduler.params."
+#: Every key the mapping reads (for "did you mean" and for telling configs apart).
+MAPPED: tuple[str, ...] = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization",
-    "gradient_clipping", "steps_per_print", "communication_data_type", "data_types",
-    "tensorboard", "wandb", "csv_monitor",
+    "gradient_clipping", "steps_per_print", "communication_data_type",
+    "data_types.grad_accum_dtype", "fp16.enabled", "fp16.loss_scale",
+    "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
+    "fp16.min_loss_scale", "bf16.enabled", "bfloat16.enabled", _Z + "stage",
+    _Z + "offload_optimizer.device", _Z + "reduce_bucket_size", _Z + "overlap_comm",
+    _Z + "stage3_param_persistence_threshold", _Z + "stage3_prefetch_bucket_size",
+    "optimizer.type", *(_P + k for k in (
+        "lr", "betas", "eps", "weight_decay", "adam_w_mode", "momentum", "dampening",
+        "nesterov", "alpha", "lr_decay", "muon_lr", "adam_lr")),
+    "scheduler.type", *(_S + k for k in (
+        "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+        "total_num_steps", "warmup_min_ratio", "cos_min_ratio")),
+    "tensorboard.enabled", "wandb.enabled", "wandb.project", "wandb.team", "wandb.group",
+    "csv_monitor.enabled",
 )
+KNOWN_TOP = frozenset(k.split(".")[0] for k in (*MAPPED, *ONLY_DEFAULT, *IGNORED, *FEATURES))

@@ -11,8 +11,10 @@ import difflib
 import json
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from zerotrain.config import Config
-from zerotrain.deepspeed_config.keys import FEATURES, IGNORED, KNOWN_TOP, ONLY_DEFAULT
+from zerotrain.deepspeed_config.keys import FEATURES, IGNORED, MAPPED, ONLY_DEFAULT
 
 _MISSING = object()
 
@@ -44,12 +46,20 @@ class Reader:
         node: Any = self.overrides
         for part in zpath.split("."):
             node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-        if node is not _MISSING:
-            return node
-        obj: Any = self._defaults
-        for part in zpath.split("."):
-            obj = getattr(obj, part)
-        return list(obj) if isinstance(obj, tuple) else obj
+        model: Any = Config
+        for part in zpath.split(".")[:-1]:
+            model = model.model_fields[part].annotation
+        if node is not _MISSING:  # coerced as the field would be ("5e-5" from a CLI is a str)
+            try:
+                node = TypeAdapter(model.model_fields[zpath.split(".")[-1]].annotation
+                                   ).validate_python(node)
+            except ValidationError:
+                return node  # build_config will name it
+        else:
+            node = self._defaults
+            for part in zpath.split("."):
+                node = getattr(node, part)
+        return list(node) if isinstance(node, tuple) else node
 
     def problem(self, path: str, msg: str) -> None:
         v = self.raw(path, _MISSING)
@@ -88,7 +98,7 @@ class Reader:
                     self.problem(f"{top}.enabled", f"{why}; remove '{top}' or disable it")
             self.used.update(path for path, _ in leaves({top: self.data[top]}))
         for path, value in leaves(self.data):
-            if path in self.used:
+            if path in self.used or value == {}:  # an empty section configures nothing
                 continue
             if path in ONLY_DEFAULT:
                 default, why = ONLY_DEFAULT[path]
@@ -99,8 +109,12 @@ class Reader:
             reason = _ignored_reason(path)
             if reason is not None:
                 self.notes.append(f"{path}: ignored ({reason})")
+            elif path.startswith("optimizer.params.") and path in MAPPED:
+                self.problem(path, f"not a parameter of optimizer type "
+                                   f"{self.data['optimizer'].get('type')} as zerotrain maps it")
             else:
-                self.problem(path, "not a DeepSpeed setting zerotrain maps" + _suggest(path))
+                self.problem(path, "not a DeepSpeed setting zerotrain maps"
+                             + _suggest(path, self.used))
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -140,10 +154,13 @@ def _ignored_reason(path: str) -> str | None:
     return None
 
 
-def _suggest(path: str) -> str:
-    *parent, leaf = path.split(".")
-    pre = ".".join(parent) + "." if parent else ""
-    known = {p.split(".")[len(parent)] for p in (*ONLY_DEFAULT, *IGNORED, *KNOWN_TOP)
-             if p.startswith(pre) and p.count(".") >= len(parent)}
-    close = difflib.get_close_matches(leaf, sorted(known), n=1, cutoff=0.75)
-    return f" — did you mean '{pre}{close[0]}'?" if close else ""
+def _suggest(path: str, used: set[str]) -> str:
+    """A close known key for the first part of `path` that no known key has."""
+    known = [k.split(".") for k in (*ONLY_DEFAULT, *IGNORED, *MAPPED, *FEATURES, *used)]
+    parts = path.split(".")
+    for i in range(len(parts)):
+        children = {k[i] for k in known if len(k) > i and k[:i] == parts[:i]}
+        if parts[i] not in children:
+            close = difflib.get_close_matches(parts[i], sorted(children), n=1, cutoff=0.75)
+            return f" — did you mean '{'.'.join([*parts[:i], close[0]])}'?" if close else ""
+    return ""

@@ -42,6 +42,9 @@ def batch(r: Reader, world: int, out: dict[str, Any]) -> bool:
         r.problems.append(f"inconsistent batch: {names[0]}={tb} but {names[1]}={mb} × "
                           f"{names[2]}={ga} × world size {world} = {mb * ga * world}")
         return True
+    for n, v in zip(names, (mb * (ga or 1) * world, mb, ga or 1)):
+        if r.is_auto(n) and not any(note.startswith(f"{n}: auto") for note in r.notes):
+            r.notes.append(f"{n}: auto -> {v} (derived from the other two)")
     out.setdefault("data", {}).update(micro_batch_size=mb, grad_accum_steps=ga or 1)
     return tb is not None
 
