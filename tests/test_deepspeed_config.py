@@ -458,3 +458,56 @@ def test_library_mode_trains_at_constant_lr():
     assert lib.schedule.kind == "cosine" and lib.schedule.warmup_steps == 0
     assert lib.schedule.min_lr == 0.0  # below any peak, unlike the CLI default 1e-4
     assert build_config({}, library=True) == load_any_config({})
+
+
+def test_describe_names_each_phase():
+    cfg = load_deepspeed_config(DS / "stage2_fp16_offload_cosine.json", world_size=2)
+    from zerotrain.optim.schedule import describe, schedule_kwargs
+
+    line = describe(cfg.optimizer.lr, cfg.train.steps, **schedule_kwargs(cfg.schedule))
+    assert line == ("lr: log warmup 2e-05 -> 0.0002 over 30 steps, cosine decay from step 29 "
+                    "to 1e-05 at step 299")
+    lib = load_any_config(None)
+    assert describe(lib.optimizer.lr, lib.train.steps, **schedule_kwargs(lib.schedule)) == \
+        "lr: constant 0.001"
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_engine_trains_a_deepspeed_config_as_deepspeed_would():
+    """Independent reference: torch.optim.AdamW over every parameter (DeepSpeed decays all
+    it is given), clip_grad_norm_ and DeepSpeed's WarmupCosineLR formula, on a copy."""
+    import copy
+
+    import torch
+
+    import zerotrain
+    from zerotrain.models.gpt import GPT
+
+    from zero_harness import BASE, GLOBAL_BATCH, batches, rel_err
+
+    ds = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH, "gradient_clipping": 0.3,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+          "scheduler": {"type": "WarmupCosineLR", "params": {
+              "warmup_num_steps": 3, "total_num_steps": 10, "warmup_min_ratio": 0.1}}}
+    cfg = load_deepspeed_config(ds, 1, {"model": BASE["model"], "train": {"device": "cpu"},
+                                        "comm": {"algorithm": "native"}})
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    ref = copy.deepcopy(model)
+    engine = zerotrain.initialize(model, cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.1, foreach=False)
+    for s, (x, y) in enumerate(batches(10)):
+        engine.backward(engine(x, y))
+        engine.step()
+        ref(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        for g in opt.param_groups:
+            g["lr"] = ds_warmup_cosine_lr(s, 1e-2, 3, 10, 0.1, 1e-4, "log")
+        opt.step()
+        opt.zero_grad()
+    ours = {k: v.detach() for k, v in model.named_parameters()}
+    assert rel_err(ours, {k: v.detach() for k, v in ref.named_parameters()}) < 1e-6
+    engine.close()

@@ -145,6 +145,27 @@ def schedule_kwargs(cfg: ScheduleConfig) -> dict[str, Any]:
                 decay_start=cfg.decay_start)
 
 
+def describe(peak_lr: float, total_steps: int, **kw: Any) -> str:
+    """The schedule in one line, for a run to print at start (kw: lr_at's keywords)."""
+    lr_at(0, peak_lr=peak_lr, total_steps=total_steps, **kw)  # validate
+    kind, w = kw.get("kind", "cosine"), kw.get("warmup_steps", 0)
+    w_end, d_start, d_end = phases(total_steps=total_steps, **{
+        k: v for k, v in kw.items() if k in ("kind", "warmup_steps", "hold_steps",
+                                             "decay_steps", "wsd_decay_fraction",
+                                             "decay_start")})
+    parts = []
+    if w:
+        parts.append(f"{kw.get('warmup_type', 'linear')} warmup {kw.get('warmup_start_lr', 0):g}"
+                     f" -> {peak_lr:g} over {w} steps")
+    if kind == "constant":
+        return "lr: " + ", ".join([*parts, f"then constant {peak_lr:g}"] if parts
+                                  else [f"constant {peak_lr:g}"])
+    if d_start > w_end:
+        parts.append(f"hold {peak_lr:g} until step {d_start}")
+    parts.append(f"{kind} decay from step {d_start} to {kw.get('min_lr', 0):g} at step {d_end}")
+    return "lr: " + ", ".join(parts)
+
+
 def lr_from_config(step: int, cfg: ScheduleConfig, peak_lr: float, total_steps: int) -> float:
     """lr_at driven by the `schedule:` config section (peak is optimizer.lr)."""
     return lr_at(step, peak_lr=peak_lr, total_steps=total_steps, **schedule_kwargs(cfg))
