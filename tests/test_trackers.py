@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from zerotrain.config import ConfigError, build_config
@@ -72,11 +71,18 @@ def expected_scalars(recs) -> dict[str, dict[int, float]]:
 
 
 def read_tensorboard(log_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Scalar summaries by tag and step, through the event reader TensorBoard's server
+    itself uses (it also purges what a restarted writer orphaned)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
     acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    out = {}
+    for tag in acc.Tags()["tensors"]:
+        assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"  # shown as such
+        out[tag] = {e.step: make_ndarray(e.tensor_proto).item() for e in acc.Tensors(tag)}
+    return out
 
 
 def read_wandb(run_dir: Path) -> tuple[dict[int, dict], dict]:
@@ -118,11 +124,8 @@ def test_every_record_reaches_every_backend(tmp_path, wandb_env):
     # jsonl: the records as given, nesting and strings included
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in lines] == recs
-    # tensorboard: every number, as float32, at its step
-    tb = read_tensorboard(tmp_path / "tensorboard")
-    assert set(tb) == set(want)
-    for tag, by_step in want.items():
-        assert tb[tag] == {s: float(np.float32(v)) for s, v in by_step.items()}, tag
+    # tensorboard: every number, exactly (float64), at its step
+    assert read_tensorboard(tmp_path / "tensorboard") == want
     # wandb: history rows merge the records of one step; the summary record's numbers
     history, summary = read_wandb(tmp_path)
     for tag, by_step in want.items():
@@ -159,10 +162,12 @@ def test_resume_keeps_what_came_before_and_drops_the_rest(tmp_path):
     assert not (tmp_path / "metrics-summary.csv").exists()  # only past the resumed step
     tb = read_tensorboard(tmp_path / "tensorboard")
     assert tb["train/loss"] == {5: 1.0, 10: 0.5, 15: 9.0}  # step 15 and 20 purged
-    log_all(tmp_path, ["jsonl", "csv"], recs=[later])  # a new run starts empty
+    log_all(tmp_path, ["jsonl", "csv", "tensorboard"], recs=[later])  # a new run: empty
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] \
         == [15]
     assert sorted(p.name for p in tmp_path.glob("metrics-*.csv")) == ["metrics-train.csv"]
+    assert read_tensorboard(tmp_path / "tensorboard") == {"train/loss": {15: 9.0},
+                                                          "train/lr": {15: 1.0}}
 
 
 def test_only_rank_zero_writes(tmp_path):

@@ -4,7 +4,7 @@ A record is a flat-or-nested dict with a `type` ("train", "val", "memory", "summ
 ...) and a `step`; every backend receives every record:
 - jsonl:        metrics.jsonl, one record per line as given (nesting kept)
 - csv:          metrics-<type>.csv, one file per record type (see CsvTracker)
-- tensorboard:  event files under tensorboard/, scalar tag "<type>/<key>"
+- tensorboard:  event files under tensorboard/, scalar tag "<type>/<key>" (float64)
 - wandb:        a W&B run under wandb/, key "<type>/<key>"; offline unless the
                 environment sets WANDB_MODE (so it works without network)
 Nested dicts become "a/b/c" keys (`flatten`); tensorboard, wandb and csv keep only
@@ -144,19 +144,26 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 
 
 class TensorBoardTracker:
-    """Scalars "<type>/<key>" at the record's step (stored as float32 by TensorBoard).
-    A resumed run purges events past its step, as the event format allows."""
+    """Scalars "<type>/<key>" at the record's step, stored in float64 (TensorBoard's
+    new-style scalar summaries; its classic ones round to float32, ~7 digits, which loses
+    byte counts). A resumed run purges events past its step, as the event format allows."""
 
     def __init__(self, log_dir: Path, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = resume_step + 1 if resume_step is not None else None
+        if resume_step is None:  # a new run starts empty
+            for old in log_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+        # Every run opens with a session-start event; TensorBoard takes each later one as a
+        # restart and drops what earlier runs logged at or after its step.
+        purge = 0 if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def log(self, record: dict[str, Any]) -> None:
         kind, step = record.get("type", "record"), int(record.get("step", 0))
         for key, value in numeric(record).items():
-            self.writer.add_scalar(f"{kind}/{key}", value, step)
+            self.writer.add_scalar(f"{kind}/{key}", value, step, new_style=True,
+                                   double_precision=True)
 
     def close(self) -> None:
         self.writer.close()
