@@ -1,16 +1,17 @@
-"""DeepSpeed configs mapped onto zerotrain's: field by field, and lr curves against
-DeepSpeed's scheduler formulas transcribed from its documentation (lr_schedules)."""
+"""DeepSpeed configs mapped onto zerotrain's, field by field: the example configs under
+tests/data/ds, the batch triple, "auto", refusals, YAML, and telling configs apart.
+(The lr curves are held against DeepSpeed's formulas in test_deepspeed_schedule.py.)"""
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ds_reference import curve, ds_warmup_decay_lr
 from zerotrain.config import Config, ConfigError, build_config
 from zerotrain.deepspeed_config import (
     deepspeed_to_yaml,
@@ -20,7 +21,7 @@ from zerotrain.deepspeed_config import (
     looks_like_deepspeed,
     map_deepspeed,
 )
-from zerotrain.optim.schedule import lr_at, lr_from_config
+from zerotrain.optim.schedule import lr_from_config
 
 DS = Path(__file__).parent / "data" / "ds"
 MiB = 2**20
@@ -41,38 +42,6 @@ def expect(cfg: Config, want: dict) -> None:
             assert got == pytest.approx(value, rel=1e-12), dotted
         else:
             assert got == value, dotted
-
-
-# ----------------------------------------------------------------------------- DeepSpeed's
-# formulas, transcribed from its documented schedulers. `s` is the scheduler's
-# last_batch_iteration; W is max(2, warmup_num_steps), as DeepSpeed clamps it.
-
-
-def ds_gamma(s: int, w: int, wtype: str) -> float:
-    return math.log(s + 1) / math.log(w) if wtype == "log" else s / w
-
-
-def ds_warmup_lr(s, lo, hi, w, wtype):
-    return lo + (hi - lo) * (ds_gamma(s, w, wtype) if s < w else 1.0)
-
-
-def ds_warmup_decay_lr(s, lo, hi, w, total, wtype):
-    g = ds_gamma(s, w, wtype) if s < w else max(0.0, (total - s) / max(1.0, total - w))
-    return lo + (hi - lo) * g
-
-
-def ds_warmup_cosine_lr(s, lr, w, total, r0, rc, wtype):
-    if s < w:
-        ratio = r0 + (1.0 - r0) * ds_gamma(s, w, wtype)
-    else:
-        progress = min(1.0, (s - w + 1) / max(1, total - w))
-        ratio = max(0.0, rc + (1.0 - rc) * (1 + math.cos(math.pi * progress)) / 2)
-    return lr * ratio
-
-
-def curve(cfg: Config, steps: range) -> list[float]:
-    """The lr the engine uses for update s+1, through the same call the engine makes."""
-    return [lr_from_config(s, cfg.schedule, cfg.optimizer.lr, cfg.train.steps) for s in steps]
 
 
 # ----------------------------------------------------------------------------- example files
@@ -237,99 +206,6 @@ def test_missing_batch_is_refused():
         from_deepspeed({"gradient_accumulation_steps": 2})
 
 
-# ----------------------------------------------------------------------------- lr curves
-
-WARMUPS = [1, 2, 7, 50]
-
-
-@pytest.mark.parametrize("wtype", ["log", "linear"])
-@pytest.mark.parametrize("warmup", WARMUPS)
-def test_warmuplr_curve_matches_deepspeed(wtype, warmup):
-    lo, hi = 2e-5, 7e-4
-    cfg = load_deepspeed_config({"train_micro_batch_size_per_gpu": 1,
-                                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                                 "scheduler": {"type": "WarmupLR", "params": {
-                                     "warmup_min_lr": lo, "warmup_max_lr": hi,
-                                     "warmup_num_steps": warmup, "warmup_type": wtype}}})
-    w = max(2, warmup)
-    steps = range(0, 3 * w + 20)
-    want = [ds_warmup_lr(s, lo, hi, w, wtype) for s in steps]
-    assert curve(cfg, steps) == pytest.approx(want, rel=1e-12, abs=1e-18)
-    assert max(curve(cfg, steps)) == hi == cfg.optimizer.lr  # the peak is exact
-
-
-@pytest.mark.parametrize("wtype", ["log", "linear"])
-@pytest.mark.parametrize("warmup,total", [(1, 30), (2, 3), (7, 100), (50, 333)])
-def test_warmupdecaylr_curve_matches_deepspeed(wtype, warmup, total):
-    lo, hi = 1e-6, 3e-4
-    cfg = load_deepspeed_config({"train_micro_batch_size_per_gpu": 1,
-                                 "scheduler": {"type": "WarmupDecayLR", "params": {
-                                     "warmup_min_lr": lo, "warmup_max_lr": hi,
-                                     "warmup_num_steps": warmup, "total_num_steps": total,
-                                     "warmup_type": wtype}}})
-    steps = range(0, total + 25)  # past the end too: DeepSpeed holds warmup_min_lr
-    want = [ds_warmup_decay_lr(s, lo, hi, max(2, warmup), total, wtype) for s in steps]
-    assert curve(cfg, steps) == pytest.approx(want, rel=1e-12, abs=1e-18)
-    assert cfg.train.steps == total and cfg.optimizer.lr == hi
-
-
-@pytest.mark.parametrize("wtype", ["log", "linear"])
-@pytest.mark.parametrize("warmup,total,r0,rc", [(1, 40, 0.0, 1e-4), (5, 6, 0.2, 0.0),
-                                                (30, 300, 0.1, 0.05), (64, 1000, 0.0, 0.3)])
-def test_warmupcosinelr_curve_matches_deepspeed(wtype, warmup, total, r0, rc):
-    lr = 4e-4
-    cfg = load_deepspeed_config({"train_micro_batch_size_per_gpu": 1,
-                                 "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-                                 "scheduler": {"type": "WarmupCosineLR", "params": {
-                                     "warmup_num_steps": warmup, "total_num_steps": total,
-                                     "warmup_min_ratio": r0, "cos_min_ratio": rc,
-                                     "warmup_type": wtype}}})
-    steps = range(0, total + 25)
-    want = [ds_warmup_cosine_lr(s, lr, max(2, warmup), total, r0, rc, wtype) for s in steps]
-    assert curve(cfg, steps) == pytest.approx(want, rel=1e-12, abs=1e-18)
-    assert cfg.optimizer.lr == lr  # WarmupCosineLR's peak is the optimizer's lr
-
-
-def test_example_files_curves_match_deepspeed():
-    cfg = load_deepspeed_config(DS / "stage2_fp16_offload_cosine.json", world_size=2)
-    steps = range(0, 320)
-    want = [ds_warmup_cosine_lr(s, 2e-4, 30, 300, 0.1, 0.05, "log") for s in steps]
-    assert curve(cfg, steps) == pytest.approx(want, rel=1e-12)
-    cfg = load_deepspeed_config(DS / "stage1_bf16_warmupdecay.json", world_size=4)
-    want = [ds_warmup_decay_lr(s, 0.0, 3e-4, 40, 400, "linear") for s in steps]
-    assert curve(cfg, steps) == pytest.approx(want, rel=1e-12, abs=1e-18)
-
-
-def test_log_warmup_and_decay_start_in_lr_at():
-    # log warmup: 0 -> peak along log(s+1)/log(W), reaching the peak at W−1
-    kw = dict(peak_lr=1.0, total_steps=100, kind="constant", warmup_steps=10,
-              warmup_type="log")
-    assert lr_at(0, **kw) == 0.0 and lr_at(9, **kw) == pytest.approx(1.0)
-    assert lr_at(3, **kw) == pytest.approx(math.log(4) / math.log(10))
-    # decay_start one step before the end of warmup: the cosine's first post-warmup value
-    # is one step in; the warmup still owns every step before warmup_steps
-    kw = dict(peak_lr=1.0, total_steps=100, kind="cosine", warmup_steps=10, min_lr=0.0,
-              decay_start=9, decay_steps=90)
-    assert lr_at(9, **kw) == pytest.approx(0.9)  # linear warmup, not the decay
-    assert lr_at(10, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi / 90)))
-    assert lr_at(99, **kw) == 0.0
-    with pytest.raises(ValueError, match="log"):
-        lr_at(0, peak_lr=1.0, total_steps=10, warmup_steps=1, warmup_type="log")
-    with pytest.raises(ValueError, match="decay_start"):
-        lr_at(0, peak_lr=1.0, total_steps=10, kind="wsd", decay_start=3)
-
-
-def test_schedule_config_refuses_meaningless_combinations():
-    with pytest.raises(ConfigError, match="warmup_type log needs"):
-        build_config({"schedule": {"warmup_type": "log", "warmup_steps": 1}})
-    with pytest.raises(ConfigError, match="decay_start applies to kind cosine or linear"):
-        build_config({"schedule": {"kind": "constant", "decay_start": 3}})
-    with pytest.raises(ConfigError, match="hold_steps 0"):
-        build_config({"schedule": {"hold_steps": 5, "decay_start": 3}})
-    with pytest.raises(ConfigError, match="warmup_start_lr"):
-        build_config({"optimizer": {"lr": 1e-4}, "schedule": {"warmup_start_lr": 1e-3}})
-
-
 # ----------------------------------------------------------------------------- auto, errors
 
 
@@ -404,6 +280,12 @@ def test_unsupported_keys_are_listed_together():
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
     ({"bf16": {"enabled": True}, "communication_data_type": "fp16"}, "use fp32 or bf16"),
     ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
+    ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}},
+     "optimizer.params.momentum=0.9: not a parameter of optimizer type Adam"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 9}}},
+     "total_num_steps=9: not a parameter of scheduler type WarmupLR"),
+    ({"zero_optimization": {"overlap_com": True}}, "did you mean 'zero_optimization.overlap_comm'"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale=0: must be > 0"),
 ])
 def test_refusals_name_the_key(ds, match):
     with pytest.raises(ConfigError, match=re.escape(match)):
@@ -460,54 +342,3 @@ def test_library_mode_trains_at_constant_lr():
     assert build_config({}, library=True) == load_any_config({})
 
 
-def test_describe_names_each_phase():
-    cfg = load_deepspeed_config(DS / "stage2_fp16_offload_cosine.json", world_size=2)
-    from zerotrain.optim.schedule import describe, schedule_kwargs
-
-    line = describe(cfg.optimizer.lr, cfg.train.steps, **schedule_kwargs(cfg.schedule))
-    assert line == ("lr: log warmup 2e-05 -> 0.0002 over 30 steps, cosine decay from step 29 "
-                    "to 1e-05 at step 299")
-    lib = load_any_config(None)
-    assert describe(lib.optimizer.lr, lib.train.steps, **schedule_kwargs(lib.schedule)) == \
-        "lr: constant 0.001"
-
-
-# ----------------------------------------------------------------------------- end to end
-
-
-def test_engine_trains_a_deepspeed_config_as_deepspeed_would():
-    """Independent reference: torch.optim.AdamW over every parameter (DeepSpeed decays all
-    it is given), clip_grad_norm_ and DeepSpeed's WarmupCosineLR formula, on a copy."""
-    import copy
-
-    import torch
-
-    import zerotrain
-    from zerotrain.models.gpt import GPT
-
-    from zero_harness import BASE, GLOBAL_BATCH, batches, rel_err
-
-    ds = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH, "gradient_clipping": 0.3,
-          "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-          "scheduler": {"type": "WarmupCosineLR", "params": {
-              "warmup_num_steps": 3, "total_num_steps": 10, "warmup_min_ratio": 0.1}}}
-    cfg = load_deepspeed_config(ds, 1, {"model": BASE["model"], "train": {"device": "cpu"},
-                                        "comm": {"algorithm": "native"}})
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    ref = copy.deepcopy(model)
-    engine = zerotrain.initialize(model, cfg)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=0.1, foreach=False)
-    for s, (x, y) in enumerate(batches(10)):
-        engine.backward(engine(x, y))
-        engine.step()
-        ref(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
-        for g in opt.param_groups:
-            g["lr"] = ds_warmup_cosine_lr(s, 1e-2, 3, 10, 0.1, 1e-4, "log")
-        opt.step()
-        opt.zero_grad()
-    ours = {k: v.detach() for k, v in model.named_parameters()}
-    assert rel_err(ours, {k: v.detach() for k, v in ref.named_parameters()}) < 1e-6
-    engine.close()

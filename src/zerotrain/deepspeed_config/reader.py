@@ -109,9 +109,10 @@ class Reader:
             reason = _ignored_reason(path)
             if reason is not None:
                 self.notes.append(f"{path}: ignored ({reason})")
-            elif path.startswith("optimizer.params.") and path in MAPPED:
-                self.problem(path, f"not a parameter of optimizer type "
-                                   f"{self.data['optimizer'].get('type')} as zerotrain maps it")
+            elif path in MAPPED and path.split(".")[1] == "params":  # another type's
+                section = path.split(".")[0]
+                self.problem(path, f"not a parameter of {section} type "
+                                   f"{self.data[section].get('type')} as zerotrain maps it")
             else:
                 self.problem(path, "not a DeepSpeed setting zerotrain maps"
                              + _suggest(path, self.used))

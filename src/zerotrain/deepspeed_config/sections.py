@@ -83,7 +83,9 @@ def precision(r: Reader, out: dict[str, Any]) -> str:
     prec["reduce_dtype"] = _dtype_choice(r, "communication_data_type", dtype)
     if fp16:
         static = r.get("fp16.loss_scale", 0.0, float)
-        if static:
+        if static < 0:
+            r.problem("fp16.loss_scale", "must be 0 (dynamic) or a positive static scale")
+        elif static:
             prec["loss_scale"] = {"kind": "static", "init_scale": static}
         else:
             power = r.get("fp16.initial_scale_power", 16, int)
@@ -95,6 +97,11 @@ def precision(r: Reader, out: dict[str, Any]) -> str:
                                     auto="precision.loss_scale.hysteresis"),
                 "min_scale": r.get("fp16.min_loss_scale", 1.0, float,
                                    auto="precision.loss_scale.min_scale")}
+            for key, zkey, low in (("loss_scale_window", "window", 1), ("hysteresis",
+                                   "hysteresis", 1), ("min_loss_scale", "min_scale", 1e-45)):
+                if prec["loss_scale"][zkey] < low:  # DeepSpeed refuses these too
+                    r.problem(f"fp16.{key}", f"must be {'> 0' if low < 1 else '>= 1'} with "
+                                             "dynamic loss scaling")
     elif isinstance(r.data.get("fp16"), dict):  # DeepSpeed reads them only when fp16 is on
         r.used.update(path for path, _ in leaves(r.data["fp16"], "fp16."))
     out["precision"] = prec
