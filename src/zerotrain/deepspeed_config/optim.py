@@ -109,7 +109,8 @@ def map_optimizer(r: Reader) -> dict[str, Any] | None:
     return opt
 
 
-def _sched_common(r: Reader, peak_default: float | None) -> tuple[float, int, str] | None:
+def _warmup(r: Reader) -> tuple[int, str] | None:
+    """(warmup steps as DeepSpeed uses them, warmup type), or None after a problem."""
     p = "scheduler.params."
     w = r.get(p + "warmup_num_steps", 1000, int, auto="schedule.warmup_steps")
     if w < 1:
@@ -121,7 +122,7 @@ def _sched_common(r: Reader, peak_default: float | None) -> tuple[float, int, st
         return None
     if w == 1:
         r.notes.append(f"{p}warmup_num_steps: 1 -> 2 (DeepSpeed warms up over at least 2 steps)")
-    return peak_default or 0.0, max(2, w), wtype
+    return max(2, w), wtype
 
 
 def _total(r: Reader, warmup: int) -> int | None:
@@ -145,10 +146,10 @@ def map_scheduler(r: Reader, opt_lr: float) -> tuple[dict[str, Any], float, int 
     if typ not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         r.problem("scheduler.type", "zerotrain maps WarmupLR, WarmupDecayLR and WarmupCosineLR")
         return {}, opt_lr, None
-    common = _sched_common(r, opt_lr)
-    if common is None:
+    warmup = _warmup(r)
+    if warmup is None:
         return {}, opt_lr, None
-    _, w, wtype = common
+    w, wtype = warmup
     if typ == "WarmupCosineLR":
         total = _total(r, w)
         r0 = r.get(p + "warmup_min_ratio", 0.0)
@@ -167,7 +168,8 @@ def map_scheduler(r: Reader, opt_lr: float) -> tuple[dict[str, Any], float, int 
         r.problem(p + "warmup_min_lr", f"must lie in [0, warmup_max_lr = {peak}]")
     sched = {"kind": "constant", "warmup_steps": w, "warmup_type": wtype,
              "warmup_start_lr": low, "min_lr": low}
-    if "warmup_max_lr" in r.data["scheduler"].get("params", {}) and peak != opt_lr:
+    given = r.data.get("optimizer", {}).get("params", {})
+    if isinstance(given, dict) and "lr" in given and peak != opt_lr:
         r.notes.append(f"optimizer.params.lr ({opt_lr}): DeepSpeed's {typ} overrides it; "
                        f"the peak is warmup_max_lr ({peak})")
     if typ == "WarmupLR":
