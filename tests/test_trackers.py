@@ -153,9 +153,10 @@ def test_csv_header_widens_once_and_keeps_every_value(tmp_path):
 def test_resume_keeps_what_came_before_and_drops_the_rest(tmp_path):
     log_all(tmp_path, ["jsonl", "csv", "tensorboard"])
     later = {"type": "train", "step": 15, "loss": 9.0, "lr": 1.0}  # rerun of step 15
-    log_all(tmp_path, ["jsonl", "csv", "tensorboard"], resume_step=10, recs=[later])
+    t = log_all(tmp_path, ["jsonl", "csv", "tensorboard"], resume_step=10, recs=[later])
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 0, 5, 10, 10, 15]
+    assert t.records == [*records()[:5], later]  # the whole history, for curves.png
     _, rows = read_csv(tmp_path / "metrics-train.csv")
     assert [(r["step"], float(r["loss"])) for r in rows] == [("5", 1.0), ("10", 0.5),
                                                              ("15", 9.0)]

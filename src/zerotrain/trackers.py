@@ -65,20 +65,17 @@ def check_backends(backends: Iterable[str]) -> None:
                 "logging.backends")
 
 
-def _kept(records: list[dict[str, Any]], resume_step: int | None) -> list[dict[str, Any]]:
-    return [r for r in records if resume_step is not None and r.get("step", 0) <= resume_step]
-
-
 class JsonlTracker:
     """metrics.jsonl; a resumed run keeps the lines up to its step, a new run starts empty."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
-        old = []
+        self.kept: list[dict[str, Any]] = []  # the resumed run's history, for curves.png
         if path.exists() and resume_step is not None:
             old = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.kept = [r for r in old if r.get("step", 0) <= resume_step]
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in _kept(old, resume_step)))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
         tmp.replace(path)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -195,11 +192,13 @@ class WandbTracker:
 
 class Trackers:
     """All configured backends behind one log/close; also keeps the records in memory (for
-    curves.png). Empty, logging nothing, on ranks other than 0."""
+    curves.png; after a resume, starting with the jsonl history up to the resumed step).
+    Empty, logging nothing, on ranks other than 0."""
 
     def __init__(self, trackers: list[Tracker], keep: bool):
         self.trackers, self.keep = trackers, keep
-        self.records: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = [
+            r for t in trackers if isinstance(t, JsonlTracker) for r in t.kept]
 
     def log(self, record: dict[str, Any]) -> None:
         if self.keep:
