@@ -86,6 +86,11 @@ class OptimizerConfig(_Section):
     lr_decay: float = Field(0.0, ge=0.0, description="AdaGrad lr decay")
     ns_steps: int = Field(5, ge=1, description="Muon Newton-Schulz iterations")
     grad_clip: float | None = Field(1.0, description="clip by global norm; null/0 disables")
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw", description="Muon's per-matrix lr: match_rms_adamw = lr·0.2·√max(rows, "
+        "cols) (one lr serves matrices and the AdamW fallback); original = lr·√max(1, rows/cols) "
+        "(Jordan's, DeepSpeed's; Muon lrs near 0.02)"
+    )
     decay_1d: bool = Field(False, description="apply weight decay to biases and norm gains too")
     compile: bool | Literal["auto"] = Field(
         "auto", description="Adam/AdamW: run the update through torch.compile as one fused "
@@ -117,10 +122,17 @@ class OptimizerConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    """warmup -> hold at peak (optimizer.lr) -> decay to min_lr; peak lr is optimizer.lr."""
+    """warmup -> hold at peak (optimizer.lr) -> decay to min_lr; peak lr is optimizer.lr.
+
+    These defaults are the command line's; `build_config(..., library=True)` (what
+    `zerotrain.initialize` uses) starts from LIBRARY_DEFAULTS instead: a constant lr.
+    """
 
     kind: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = Field(100, ge=0)
+    warmup_type: Literal["linear", "log"] = Field(
+        "linear", description="warmup curve: linear in the step, or log(step+1)/log(warmup_steps) "
+        "(DeepSpeed's default)")
     warmup_start_lr: float = Field(0.0, ge=0.0)
     hold_steps: int = Field(0, ge=0)
     min_lr: float = Field(1e-4, ge=0.0)
@@ -130,6 +142,25 @@ class ScheduleConfig(_Section):
     wsd_decay_fraction: float = Field(
         0.2, gt=0.0, le=1.0, description="wsd: share of the steps after warmup spent decaying"
     )
+    decay_start: int | None = Field(
+        None, ge=0, description="cosine/linear: step the decay phase starts from; default "
+        "warmup_steps + hold_steps. warmup_steps - 1 gives DeepSpeed's WarmupCosineLR, whose "
+        "first step after warmup is already one step into the cosine"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduleConfig:
+        if self.warmup_type == "log" and self.warmup_steps == 1:
+            raise ValueError("schedule.warmup_type log needs schedule.warmup_steps >= 2 (its "
+                             "curve divides by log(warmup_steps)); use 0 or >= 2")
+        if self.decay_start is not None:
+            if self.kind not in ("cosine", "linear"):
+                raise ValueError(f"schedule.decay_start applies to kind cosine or linear, not "
+                                 f"{self.kind}; remove it")
+            if self.hold_steps:
+                raise ValueError("schedule.decay_start replaces warmup_steps + hold_steps as the "
+                                 "start of the decay; set hold_steps 0 or drop decay_start")
+        return self
 
 
 class LossScaleConfig(_Section):
@@ -189,14 +220,36 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1, description="how many recent checkpoints to keep")
 
 
+class WandbConfig(_Section):
+    """Weights & Biases run naming; offline unless the WANDB_MODE environment variable says."""
+
+    project: str = "zerotrain"
+    entity: str | None = Field(None, description="team or user; None: wandb's default")
+    group: str | None = None
+
+
 class LoggingConfig(_Section):
     run_dir: str = "runs/default"
+    backends: list[Literal["jsonl", "tensorboard", "wandb", "csv"]] = Field(
+        default_factory=lambda: ["jsonl"], description="where metrics go (rank 0): jsonl "
+        "(metrics.jsonl), tensorboard, wandb, csv; each but jsonl and csv is an optional extra "
+        "(pip install 'zerotrain[tensorboard]')")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(100, ge=0, description="0 disables periodic validation")
     eval_batches: int = Field(8, ge=1)
     plot: bool = True
     sample_tokens: int = Field(300, ge=0)
     progress: bool = True
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _split_backends(cls, v: Any) -> Any:
+        # `--logging.backends tensorboard,csv` on the command line arrives as one string
+        v = [b.strip() for b in v.split(",") if b.strip()] if isinstance(v, str) else v
+        if isinstance(v, list) and len(set(map(str, v))) != len(v):
+            raise ValueError(f"logging.backends lists a backend twice: {v}")
+        return v
 
 
 class TrainConfig(_Section):
@@ -235,6 +288,9 @@ class Config(_Section):
             raise ValueError(
                 f"schedule.min_lr ({s.min_lr}) is above the peak optimizer.lr ({self.optimizer.lr})"
             )
+        if s.warmup_start_lr > self.optimizer.lr:
+            raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
+                             f"optimizer.lr ({self.optimizer.lr})")
         if self.optimizer.name == "muon" and self.zero.stage > 0:
             raise ValueError(
                 "optimizer.name muon orthogonalises whole weight matrices, but zero.stage "
@@ -286,10 +342,23 @@ def _format_validation(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def build_config(data: dict[str, Any] | None = None) -> Config:
-    """Validate a nested dict into a Config, raising ConfigError on any problem."""
+#: Defaults of a library user (`zerotrain.initialize(model, cfg)`) that differ from the
+#: command line's: a DeepSpeed or plain-PyTorch user who configures no schedule expects
+#: the optimizer's lr, constant, from the first step. Anything the user sets still wins.
+LIBRARY_DEFAULTS: dict[str, Any] = {
+    "schedule": {"kind": "constant", "warmup_steps": 0, "min_lr": 0.0},
+}
+
+
+def build_config(data: dict[str, Any] | None = None, *, library: bool = False) -> Config:
+    """Validate a nested dict into a Config, raising ConfigError on any problem.
+
+    library=True starts from LIBRARY_DEFAULTS (constant lr) instead of the CLI defaults.
+    """
     data = data or {}
     _check_keys(data, Config)
+    if library:
+        data = deep_merge(LIBRARY_DEFAULTS, data)
     try:
         return Config.model_validate(data)
     except ValidationError as e:
@@ -356,9 +425,9 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None,
-                overrides: list[str] | dict | None = None) -> Config:
+                overrides: list[str] | dict | None = None, *, library: bool = False) -> Config:
     data = read_config_file(path) if path else {}
     if overrides:
         extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = deep_merge(data, extra)
-    return build_config(data)
+    return build_config(data, library=library)

@@ -4,11 +4,17 @@
 returns the lr for update number step+1. Being a pure function of one integer is what
 makes resume exact: a checkpoint only needs the step.
 
-Phases (W = warmup_steps, H = hold_steps, D = decay_steps, default total − W − H):
-- warmup  0 ≤ s < W:        linear from warmup_start_lr (at s = 0) to peak_lr (at s = W)
-- hold    W ≤ s < W+H:      peak_lr
-- decay   W+H ≤ s ≤ W+H+D:  cosine (default) or linear from peak_lr to min_lr;
-                            "constant" never decays (peak forever after warmup)
+Phases (W = warmup_steps, H = hold_steps, S = decay_start, default W+H,
+D = decay_steps, default total − S):
+- warmup  0 ≤ s < W:        from warmup_start_lr (at s = 0) to peak_lr (at s = W), linear in
+                            s, or with warmup_type "log" along log(s+1)/log(W) (DeepSpeed's
+                            default curve, which reaches the peak one step early, at W−1)
+- hold    W ≤ s < S:        peak_lr
+- decay   S ≤ s ≤ S+D:      cosine (default) or linear from peak_lr to min_lr;
+                            "constant" never decays (peak forever after warmup). A decay_start
+                            of W−1 starts the cosine one step before the warmup ends, so its
+                            first post-warmup value is already one step in (DeepSpeed's
+                            WarmupCosineLR); the warmup still governs every s < W
 - after:  min_lr
 - "wsd" (warmup–stable–decay, Hu et al. 2024): warmup, then stable at peak, then a
   decay over the final `wsd_decay_fraction` of the post-warmup steps (or decay_steps
@@ -31,11 +37,13 @@ if TYPE_CHECKING:
     from zerotrain.config import ScheduleConfig
 
 KINDS = ("cosine", "linear", "constant", "wsd")
+WARMUP_TYPES = ("linear", "log")
 
 
 def _validate(step: int, peak_lr: float, total_steps: int, kind: str, warmup_steps: int,
               warmup_start_lr: float, hold_steps: int, min_lr: float,
-              decay_steps: int | None, wsd_decay_fraction: float) -> None:
+              decay_steps: int | None, wsd_decay_fraction: float, warmup_type: str,
+              decay_start: int | None) -> None:
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(msg)
@@ -58,17 +66,26 @@ def _validate(step: int, peak_lr: float, total_steps: int, kind: str, warmup_ste
     need(kind != "wsd" or hold_steps == 0,
          "hold_steps must be 0 for kind 'wsd': its stable phase already lasts until the "
          "final wsd_decay_fraction of the steps")
+    need(warmup_type in WARMUP_TYPES,
+         f"warmup_type must be one of {', '.join(WARMUP_TYPES)}, got {warmup_type!r}")
+    need(warmup_type != "log" or warmup_steps != 1,
+         "warmup_type 'log' needs warmup_steps 0 or >= 2 (it divides by log(warmup_steps))")
+    need(decay_start is None or (decay_start >= 0 and kind in ("cosine", "linear")
+                                 and hold_steps == 0),
+         f"decay_start ({decay_start}) must be >= 0, with kind cosine or linear and "
+         "hold_steps 0 (it replaces warmup_steps + hold_steps)")
 
 
 def phases(*, total_steps: int, kind: str = "cosine", warmup_steps: int = 0,
            hold_steps: int = 0, decay_steps: int | None = None,
-           wsd_decay_fraction: float = 0.2) -> tuple[int, int, int]:
+           wsd_decay_fraction: float = 0.2,
+           decay_start: int | None = None) -> tuple[int, int, int]:
     """(end of warmup, start of decay, end of decay) as step numbers."""
     if kind == "wsd":
         d = decay_steps or max(1, round(wsd_decay_fraction * (total_steps - warmup_steps)))
         start = max(warmup_steps, total_steps - d)
         return warmup_steps, start, start + d
-    start = warmup_steps + hold_steps
+    start = warmup_steps + hold_steps if decay_start is None else decay_start
     d = decay_steps if decay_steps is not None else total_steps - start
     return warmup_steps, start, start + d
 
@@ -85,16 +102,23 @@ def lr_at(
     min_lr: float = 0.0,
     decay_steps: int | None = None,
     wsd_decay_fraction: float = 0.2,
+    warmup_type: str = "linear",
+    decay_start: int | None = None,
 ) -> float:
     """The lr for update step+1, `step` being the number of updates already done."""
     _validate(step, peak_lr, total_steps, kind, warmup_steps, warmup_start_lr, hold_steps,
-              min_lr, decay_steps, wsd_decay_fraction)
+              min_lr, decay_steps, wsd_decay_fraction, warmup_type, decay_start)
     w_end, d_start, d_end = phases(total_steps=total_steps, kind=kind,
                                    warmup_steps=warmup_steps, hold_steps=hold_steps,
                                    decay_steps=decay_steps,
-                                   wsd_decay_fraction=wsd_decay_fraction)
+                                   wsd_decay_fraction=wsd_decay_fraction,
+                                   decay_start=decay_start)
     if step < w_end:
-        return warmup_start_lr + (peak_lr - warmup_start_lr) * step / w_end
+        if warmup_type == "log":  # 0 at s = 0, 1 at s = W−1
+            frac = 1.0 / math.log(w_end) * math.log(step + 1)
+        else:
+            frac = step / w_end
+        return warmup_start_lr + (peak_lr - warmup_start_lr) * frac
     if kind == "constant" or step < d_start:
         return peak_lr
     if step >= d_end:
@@ -114,7 +138,29 @@ def schedule_kwargs(cfg: ScheduleConfig) -> dict[str, Any]:
     return dict(kind=cfg.kind, warmup_steps=cfg.warmup_steps,
                 warmup_start_lr=cfg.warmup_start_lr, hold_steps=cfg.hold_steps,
                 min_lr=cfg.min_lr, decay_steps=cfg.decay_steps,
-                wsd_decay_fraction=cfg.wsd_decay_fraction)
+                wsd_decay_fraction=cfg.wsd_decay_fraction, warmup_type=cfg.warmup_type,
+                decay_start=cfg.decay_start)
+
+
+def describe(peak_lr: float, total_steps: int, **kw: Any) -> str:
+    """The schedule in one line, for a run to print at start (kw: lr_at's keywords)."""
+    lr_at(0, peak_lr=peak_lr, total_steps=total_steps, **kw)  # validate
+    kind, w = kw.get("kind", "cosine"), kw.get("warmup_steps", 0)
+    w_end, d_start, d_end = phases(total_steps=total_steps, **{
+        k: v for k, v in kw.items() if k in ("kind", "warmup_steps", "hold_steps",
+                                             "decay_steps", "wsd_decay_fraction",
+                                             "decay_start")})
+    parts = []
+    if w:
+        parts.append(f"{kw.get('warmup_type', 'linear')} warmup {kw.get('warmup_start_lr', 0):g}"
+                     f" -> {peak_lr:g} over {w} steps")
+    if kind == "constant":
+        return "lr: " + ", ".join([*parts, f"then constant {peak_lr:g}"] if parts
+                                  else [f"constant {peak_lr:g}"])
+    if d_start > w_end:
+        parts.append(f"hold {peak_lr:g} until step {d_start}")
+    parts.append(f"{kind} decay from step {d_start} to {kw.get('min_lr', 0):g} at step {d_end}")
+    return "lr: " + ", ".join(parts)
 
 
 def lr_from_config(step: int, cfg: ScheduleConfig, peak_lr: float, total_steps: int) -> float:
