@@ -24,6 +24,7 @@ LAYERS = {
     "zerotrain.train": APP,
     "zerotrain.cli": APP,
     "zerotrain.report": APP,  # progress, metrics and plots of a training run
+    "zerotrain.trackers": APP,  # metrics to jsonl / csv / TensorBoard / W&B
     "zerotrain.engine": 5,
     "zerotrain.engine_api": 5,  # the DeepSpeed-style methods beside the engine
     "zerotrain.checkpoint": 4,
@@ -35,10 +36,12 @@ LAYERS = {
     "zerotrain.numerics": 1,
     "zerotrain.memory": 1,
     "zerotrain.config": 1,
+    "zerotrain.deepspeed_config": 1,  # a DeepSpeed JSON read into zerotrain's config
 }
 # Packages with submodules (a prefix covers them); the others name one module each.
-PACKAGES = {"zerotrain.cli", "zerotrain.checkpoint", "zerotrain.zero", "zerotrain.comm",
-            "zerotrain.optim", "zerotrain.models", "zerotrain.data", "zerotrain.numerics"}
+PACKAGES = {"zerotrain.cli", "zerotrain.deepspeed_config", "zerotrain.checkpoint",
+            "zerotrain.zero", "zerotrain.comm", "zerotrain.optim", "zerotrain.models",
+            "zerotrain.data", "zerotrain.numerics"}
 # Only the application layer may use these (command lines, plots, progress bars).
 APP_ONLY = ("argparse", "matplotlib", "tqdm")
 

@@ -23,6 +23,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,13 +31,14 @@ from torch import nn
 
 from zerotrain.comm.collectives import Comm
 from zerotrain.comm.dist import init_distributed, launched_by_torchrun, pick_device
-from zerotrain.config import Config, build_config
+from zerotrain.config import Config
+from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.models import Group, Plan, plan_for
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.numerics.scaler import LossScaler
 from zerotrain.optim import build_optimizer, is_elementwise
-from zerotrain.optim.schedule import lr_from_config
+from zerotrain.optim.schedule import describe, lr_from_config, schedule_kwargs
 from zerotrain.zero import Strategy, strategy_class
 from zerotrain.zero.state import WeightReader
 
@@ -262,10 +264,21 @@ def aliases(module: nn.Module) -> dict[str, str]:
     return out
 
 
-def initialize(model: nn.Module, config: Config | dict | None = None,
-               device: torch.device | None = None) -> Engine:
-    """Open the process group if torchrun started us, then build the Engine."""
-    cfg = config if isinstance(config, Config) else build_config(config or {})
+def initialize(model: nn.Module, config: Config | dict | str | Path | None = None,
+               device: torch.device | None = None, *, overrides: dict | list | None = None
+               ) -> Engine:
+    """Open the process group if torchrun started us, then build the Engine.
+
+    `config`: a Config, a dict or YAML/JSON file of zerotrain's sections, or a DeepSpeed
+    config (dict or JSON file; told apart by its keys). A zerotrain config that sets no
+    schedule trains at a constant lr (the library defaults), as DeepSpeed users expect.
+    """
+    cfg = load_any_config(config, overrides=overrides, library=True)
     if launched_by_torchrun() and not torch.distributed.is_initialized():
         init_distributed(cfg.train.device, cfg.comm.backend, cfg.comm.timeout_s)
-    return Engine(model, cfg, device)
+    engine = Engine(model, cfg, device)
+    sched = cfg.schedule
+    if engine.rank == 0 and (sched.kind != "constant" or sched.warmup_steps):
+        lr = describe(cfg.optimizer.lr, cfg.train.steps, **schedule_kwargs(sched))
+        print(f"[zerotrain] {lr}", flush=True)
+    return engine

@@ -6,49 +6,27 @@ in `train.py` never asks which rank it is.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-
-class MetricsLog:
-    """metrics.jsonl; on resume, lines past the resumed step are dropped."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
-        self.path, self.enabled = path, enabled
-        self.records: list[dict] = []
-        if not enabled:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and path.exists():
-            keep = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            self.records = [r for r in keep if r.get("step", 0) <= resume_step]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-            tmp.replace(path)
-        elif path.exists():
-            path.unlink()
-
-    def __call__(self, record: dict) -> None:
-        if self.enabled:
-            self.records.append(record)
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+from zerotrain.config import Config
+from zerotrain.trackers import make_trackers
 
 
 class Reporter:
     """Progress bar, one-line messages and the metrics log of one run (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, progress: bool, total_steps: int,
-                 start_step: int, resume_step: int | None):
-        self.run_dir, self.enabled = run_dir, enabled
-        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled, resume_step)
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, start_step: int,
+                 resume_step: int | None):
+        self.run_dir, self.enabled = run_dir, rank == 0
+        # every configured backend (jsonl, csv, TensorBoard, W&B); nothing off rank 0
+        self.log = make_trackers(cfg, run_dir, rank, resume_step)
         self.bar = None
-        if enabled and progress:
+        if self.enabled and cfg.logging.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step",
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step",
                             dynamic_ncols=True)
 
     def say(self, line: str) -> None:
@@ -77,10 +55,15 @@ class Reporter:
         if self.bar is not None:
             self.bar.update(1)
 
-    def close(self) -> None:
+    def close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+    def close(self) -> None:
+        """End of the run (also on interruption or failure): flush every tracker."""
+        self.close_bar()
+        self.log.close()
 
     def plot(self, baseline: float, baseline_label: str) -> None:
         if self.enabled and self.log.records:

@@ -100,8 +100,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
         except CheckpointError as e:
             raise CheckpointError(f"--resume: {e}") from None
         engine.load_checkpoint(src)
-    report = Reporter(run_dir, info.rank == 0, cfg.logging.progress, cfg.train.steps,
-                      engine.global_step, engine.global_step if resume is not None else None)
+    report = Reporter(cfg, run_dir, info.rank, engine.global_step,
+                      engine.global_step if resume is not None else None)
     if info.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     return Run(cfg, info, engine, sampler, val_set, run_dir, ckpt_root, report)
@@ -172,7 +172,7 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
             report.say(f"step {last}: validation loss {v:.4f}")
         if cfg.checkpoint.every and last % cfg.checkpoint.every == 0 and last != cfg.train.steps:
             eng.save_checkpoint(run.ckpt_root)
-    report.close()
+    report.close_bar()
     elapsed = time.perf_counter() - t_start
     return _finish(run, first_val, loss_avg, steps_run, elapsed)
 
@@ -205,6 +205,7 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     report.say(f"[zerotrain] validation loss {fv}{final_val:.4f} ({label.split(' (')[0]} = "
                f"{baseline:.4f}); {steps_run} steps in {elapsed:.1f}s; checkpoint {ckpt}; "
                f"metrics {run.run_dir / 'metrics.jsonl'}")
+    report.close()
     barrier()
     eng.close()
     return summary

@@ -18,6 +18,19 @@ def _parser() -> Parser:
         usage="zerotrain config show [--config FILE] [--json] [--section.key VALUE ...]")
     show.add_argument("--config", metavar="FILE", help="YAML or JSON config to start from")
     show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    ds = sub.add_parser(
+        "from-deepspeed", prog="zerotrain config from-deepspeed",
+        formatter_class=p.formatter_class,
+        help="print the zerotrain config a DeepSpeed JSON config maps to",
+        description="Read a DeepSpeed JSON config and print the zerotrain YAML it maps to, "
+        "with a comment for every DeepSpeed-only setting; settings zerotrain cannot honour "
+        "are listed together in one error. See docs/from-deepspeed.md.",
+        usage="zerotrain config from-deepspeed DS.json [--world-size N] "
+              "[--section.key VALUE ...]")
+    ds.add_argument("path", metavar="DS.json", help="the DeepSpeed config file")
+    ds.add_argument("--world-size", type=int, default=None,
+                    help="data-parallel ranks, to derive the batch triple "
+                    "(default: $WORLD_SIZE, else 1)")
     return p
 
 
@@ -26,6 +39,11 @@ def main_config(argv: list[str]) -> int:
     from zerotrain.config import load_config
 
     args, overrides = _parser().parse_known_args(argv)
+    if args.action == "from-deepspeed":
+        from zerotrain.deepspeed_config import deepspeed_to_yaml
+
+        print(deepspeed_to_yaml(args.path, args.world_size, overrides or None).rstrip())
+        return 0
     cfg = load_config(args.config, overrides)
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))

@@ -96,6 +96,29 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def _load(opts: dict, overrides: list[str], nproc: int):
+    """The run's Config: from --config (zerotrain's) or --deepspeed (DeepSpeed's JSON)."""
+    from zerotrain.config import load_config
+    from zerotrain.trackers import check_backends
+
+    ds = opts.get("--deepspeed") or opts.get("--deepspeed_config")
+    if ds is not None:
+        if opts.get("--config"):
+            raise UsageError("give --config or --deepspeed, not both")
+        if ds == "":
+            raise UsageError("--deepspeed needs the path of a DeepSpeed JSON config")
+        import os
+
+        from zerotrain.deepspeed_config import load_deepspeed_config
+
+        world = int(os.environ.get("WORLD_SIZE", nproc))
+        cfg = load_deepspeed_config(ds, world_size=world, overrides=overrides)
+    else:
+        cfg = load_config(opts.get("--config") or None, overrides)
+    check_backends(cfg.logging.backends)
+    return cfg
+
+
 def _nproc(text: str | bool) -> int:
     try:
         n = int(text)
@@ -111,13 +134,12 @@ def main_train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    from zerotrain.config import load_config
-
-    opts, overrides = _split_known(argv, {"--config": True, "--nproc": True, "--resume": True})
-    cfg = load_config(opts.get("--config") or None, overrides)  # validate before launching
+    opts, overrides = _split_known(argv, {"--config": True, "--nproc": True, "--resume": True,
+                                          "--deepspeed": True, "--deepspeed_config": True})
     if opts.get("--nproc") == "":
         raise UsageError("--nproc needs a number of ranks, e.g. --nproc 2")
     nproc = _nproc(opts["--nproc"]) if "--nproc" in opts else 1
+    cfg = _load(opts, overrides, nproc)  # validate before launching
     if nproc > 1:
         from zerotrain.comm.dist import launched_by_torchrun
         from zerotrain.comm.launch import launch_local

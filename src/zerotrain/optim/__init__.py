@@ -110,5 +110,6 @@ def build_optimizer(
         return Muon(param_groups, lr=lr, weight_decay=wd,
                     momentum=cfg.momentum or MUON_DEFAULT_MOMENTUM,
                     nesterov=True if cfg.nesterov is None else cfg.nesterov,
-                    ns_steps=cfg.ns_steps, adamw_betas=cfg.betas, adamw_eps=cfg.eps)
+                    ns_steps=cfg.ns_steps, adamw_betas=cfg.betas, adamw_eps=cfg.eps,
+                    adjust_lr_fn=cfg.muon_adjust_lr)
     raise AssertionError(f"optimizer '{name}' is registered but not mapped from the config")
