@@ -25,6 +25,8 @@ LAYERS = {
     "zerotrain.cli": APP,
     "zerotrain.report": APP,  # progress, metrics and plots of a training run
     "zerotrain.trackers": APP,  # metrics to jsonl / csv / TensorBoard / W&B
+    "zerotrain.run_dir": APP,  # one run per folder; what --resume means
+    "zerotrain.lifecycle": APP,  # preemption, dying with the launcher, fault injection
     "zerotrain.engine": 5,
     "zerotrain.engine_api": 5,  # the DeepSpeed-style methods beside the engine
     "zerotrain.checkpoint": 4,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -29,7 +29,34 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan never make a sensible setting (an lr of inf trains to NaN)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        # pydantic reads `true` as 1 for an int (and `--zero.stage true` as stage 1)
+        if isinstance(data, dict):
+            for name, value in data.items():
+                f = cls.model_fields.get(name)
+                if isinstance(value, bool) and f is not None and _numeric(f.annotation):
+                    raise ValueError(f"{cls._section_name()}.{name} is a number, got {value!r}")
+        return data
+
+    @classmethod
+    def _section_name(cls) -> str:
+        return cls.__name__.removesuffix("Config").lower()
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field holds numbers only (int/float, optional, or a Literal of ints)."""
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, int) and not isinstance(a, bool) for a in args)
+    if args:
+        kinds = [a for a in args if a is not type(None)]
+        return bool(kinds) and all(_numeric(a) for a in kinds)
+    return annotation in (int, float)
 
 
 class ModelConfig(_Section):
@@ -110,6 +137,21 @@ class OptimizerConfig(_Section):
             return TypeAdapter(bool).validate_python(v)
         except ValidationError:
             raise ValueError(f"optimizer.compile must be true, false or auto, got {v!r}") from None
+
+    @field_validator("grad_clip")
+    @classmethod
+    def _clip(cls, v: float | None) -> float | None:
+        if v is not None and v < 0:  # a negative clip flips every gradient: ascent
+            raise ValueError(f"optimizer.grad_clip must be > 0 (or null/0 to disable), got {v}")
+        return v
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            raise ValueError(f"optimizer.betas takes two numbers, written [0.9,0.95] (YAML "
+                             f"list) on the command line; got the text {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:
@@ -217,7 +259,10 @@ class CommConfig(_Section):
 class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="default: <logging.run_dir>/checkpoints")
     every: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
-    keep: int = Field(2, ge=1, description="how many recent checkpoints to keep")
+    keep: int = Field(2, ge=1, description="how many recent checkpoints of this run to keep")
+    reset_optimizer: bool = Field(
+        False, description="on resume, start the optimizer state afresh (needed to resume "
+        "with another optimizer); weights, counters and loss scale still load")
 
 
 class WandbConfig(_Section):
@@ -241,6 +286,9 @@ class LoggingConfig(_Section):
     plot: bool = True
     sample_tokens: int = Field(300, ge=0)
     progress: bool = True
+    overwrite: bool = Field(
+        False, description="start afresh in a run_dir that holds another run, deleting its "
+        "checkpoints and metrics (otherwise that is refused)")
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -252,6 +300,22 @@ class LoggingConfig(_Section):
         return v
 
 
+class SpikeGuardConfig(_Section):
+    """Skip a step whose loss or gradient norm is an outlier (off by default)."""
+
+    enabled: bool = False
+    window: int = Field(50, ge=5, description="recent steps the mean and spread come from")
+    zscore: float = Field(6.0, gt=0.0, description="skip beyond this many standard deviations")
+
+
+class FaultConfig(_Section):
+    """Fault injection, for tests and demos of --max-restarts: SIGKILL rank `rank` when it
+    completes step `step` (in the job's first attempt only; null: never)."""
+
+    rank: int = Field(0, ge=0)
+    step: int | None = Field(None, ge=1)
+
+
 class TrainConfig(_Section):
     steps: int = Field(1000, ge=1)
     seed: int = 1337
@@ -259,6 +323,11 @@ class TrainConfig(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: cores / local ranks)"
     )
+    max_skipped_steps: int = Field(
+        50, ge=1, description="abort after this many consecutive skipped (non-finite) steps; "
+        "fp16's loss-scale search never needs as many")
+    spike_guard: SpikeGuardConfig = Field(default_factory=SpikeGuardConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
 
 
 class Config(_Section):
@@ -296,10 +365,47 @@ class Config(_Section):
                 "optimizer.name muon orthogonalises whole weight matrices, but zero.stage "
                 f"{self.zero.stage} gives each rank only a flat slice of them; use zero.stage 0"
             )
+        if s.decay_steps is not None and s.kind != "constant":
+            end = (s.decay_start if s.decay_start is not None
+                   else s.warmup_steps + s.hold_steps) + s.decay_steps
+            if s.kind != "wsd" and end > self.train.steps:
+                raise ValueError(
+                    f"schedule.decay_steps ({s.decay_steps}) ends the decay at step {end}, "
+                    f"after train.steps ({self.train.steps}): the run would stop before "
+                    "reaching schedule.min_lr; shorten decay_steps or leave it null")
+        no_effect = idle_settings(self)
+        if no_effect:
+            raise ValueError("; ".join(no_effect))
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def idle_settings(cfg: Config) -> list[str]:
+    """Settings given a non-default value that do nothing in this configuration."""
+    o, z, out = cfg.optimizer, cfg.zero, []
+    default = OptimizerConfig.model_fields
+
+    def idle(field: str, value: Any, users: tuple[str, ...]) -> None:
+        if value != default[field].default and o.name not in users:
+            out.append(f"optimizer.{field} ({value}) does nothing with optimizer.name "
+                       f"{o.name}; it is used by {', '.join(users)}. Remove it")
+
+    idle("momentum", o.momentum, ("sgd", "rmsprop", "muon"))
+    idle("nesterov", o.nesterov, ("sgd", "muon"))
+    idle("dampening", o.dampening, ("sgd",))
+    idle("alpha", o.alpha, ("rmsprop",))
+    idle("lr_decay", o.lr_decay, ("adagrad",))
+    idle("ns_steps", o.ns_steps, ("muon",))
+    idle("muon_adjust_lr", o.muon_adjust_lr, ("muon",))
+    if z.stage < 3 and z.param_persistence_threshold:
+        out.append(f"zero.param_persistence_threshold ({z.param_persistence_threshold}) "
+                   f"applies to zero.stage 3 only (this is stage {z.stage}); remove it")
+    if z.stage < 3 and not z.prefetch:
+        out.append(f"zero.prefetch false applies to zero.stage 3 only (this is stage "
+                   f"{z.stage}); remove it")
+    return out
 
 
 # ----------------------------------------------------------------------------- loading
@@ -365,13 +471,36 @@ def build_config(data: dict[str, Any] | None = None, *, library: bool = False) -
         raise ConfigError(_format_validation(e)) from None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    dup = next((k for k in keys if keys.count(k) > 1), None)
+    if dup is not None:
+        raise ValueError(f"key '{dup}' appears twice in one object")
+    return dict(pairs)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice (YAML itself keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist; pass an existing .yaml or .json")
     try:
         text = p.read_text()
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = (json.loads(text, object_pairs_hook=_unique_keys) if p.suffix == ".json"
+                else yaml.load(text, Loader=_StrictLoader))
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"config file '{p}' could not be parsed: {e}") from None
     if data is None:

@@ -35,6 +35,7 @@ from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.models import Group, Plan, plan_for
+from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.numerics.scaler import LossScaler
 from zerotrain.optim import build_optimizer, is_elementwise
@@ -48,9 +49,10 @@ class StepInfo:
     step: int            # optimizer steps completed (including skipped ones)
     lr: float
     grad_norm: float     # global L2 norm of the unscaled gradient, before clipping
-    skipped: bool        # True when a non-finite gradient made us skip the update
+    skipped: bool        # True when the update was skipped (non-finite, or a spike)
     loss_scale: float
     skipped_total: int
+    spike: str | None = None  # why the spike guard skipped this step, if it did
 
 
 def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
@@ -96,6 +98,9 @@ class Engine(DeepSpeedAPI):
         self.global_step = 0
         self.last_info: StepInfo | None = None
         self._no_sync = False
+        self.spike_guard = SpikeGuard(config.train.spike_guard) \
+            if config.train.spike_guard.enabled else None
+        self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses
         self.last_traffic: dict = {}
         self.last_traffic_bytes = (0, 0)
 
@@ -125,6 +130,9 @@ class Engine(DeepSpeedAPI):
         """
         self.strategy.pre_backward(self.is_boundary() and not self._no_sync)
         factor = self.scaler.scale / (self.accum * self.world_size)
+        if self.spike_guard is not None:  # kept on the device: no sync per micro-step
+            d = loss.detach().float()
+            self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
         (loss.float() * factor).backward()
 
     def step(self) -> StepInfo | None:
@@ -142,7 +150,8 @@ class Engine(DeepSpeedAPI):
         grad_norm = math.sqrt(norm_sq) / scale if finite else float("inf")
         self.scaler.update(overflow=not finite)
         lr = self.lr_at(self.global_step)
-        if finite:
+        spike = self._spike(grad_norm) if finite else None
+        if finite and spike is None:
             clip = self.config.optimizer.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0  # as clip_grad_norm_
             s.scale_grads(coef / scale)
@@ -157,9 +166,20 @@ class Engine(DeepSpeedAPI):
         self.last_traffic = self.comm.counter.snapshot()
         self.last_traffic_bytes = self.comm.counter.total()
         self.comm.counter.reset()
-        self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite, scale,
-                                  self.scaler.skipped)
+        skipped_total = self.scaler.skipped + (self.spike_guard.skipped if self.spike_guard
+                                               else 0)
+        self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite or bool(spike),
+                                  scale, skipped_total, spike)
         return self.last_info
+
+    def _spike(self, grad_norm: float) -> str | None:
+        """The spike guard's verdict on this step (the mean loss is all-reduced first)."""
+        if self.spike_guard is None:
+            return None
+        local = float(self._loss_sum) / self.accum if self._loss_sum is not None else 0.0
+        self._loss_sum = None
+        loss = float(self.comm.all_reduce_scalars([local])[0]) / self.world_size
+        return self.spike_guard.check(loss, grad_norm)
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -180,7 +200,9 @@ class Engine(DeepSpeedAPI):
             "strategy": self.strategy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "counters": {"global_step": self.global_step, "micro_step": self.micro_step},
+            "counters": {"global_step": self.global_step, "micro_step": self.micro_step,
+                         "spike_guard": self.spike_guard.state_dict() if self.spike_guard
+                         else None},
             "rng": rng_state(self.device),
             "buffers": buffers(self.module),
             "meta": {"layout": self.strategy.layout(),
@@ -203,6 +225,8 @@ class Engine(DeepSpeedAPI):
         self.scaler.load_state_dict(sd["scaler"])
         self.global_step = int(sd["counters"]["global_step"])
         self.micro_step = int(sd["counters"]["micro_step"])
+        if self.spike_guard is not None and sd["counters"].get("spike_guard"):
+            self.spike_guard.load_state_dict(sd["counters"]["spike_guard"])
         if sd.get("rng"):
             set_rng_state(sd["rng"], self.device)
         named = dict(self.module.named_buffers())

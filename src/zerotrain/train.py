@@ -1,9 +1,10 @@
 """The training loop: config -> data -> engine -> steps, with logs, evals, checkpoints.
 
 Readable in one sitting on purpose: `setup` builds the run, `train_step` runs one
-optimizer step, `train` is the loop; what the user sees is `report.Reporter`, and
-everything clever lives in the engine. Every rank runs this same code; only rank 0
-reports.
+optimizer step, `train` is the loop, `_finish` the end; what the user sees is
+`report.Reporter`, the run folder's rules are `run_dir.py`, preemption and faults are
+`lifecycle.py`, and everything clever lives in the engine. Every rank runs this same
+code; only rank 0 reports.
 """
 
 from __future__ import annotations
@@ -17,14 +18,26 @@ from typing import Any
 
 import torch
 
-from zerotrain.checkpoint import CheckpointError, resolve
+from zerotrain.checkpoint import CheckpointError
 from zerotrain.comm.dist import DistInfo, barrier, init_distributed
 from zerotrain.config import Config
 from zerotrain.data.corpus import DataError, decode, encode, load_tokens, train_val_split
 from zerotrain.data.sampler import WindowSampler, eval_batches
 from zerotrain.engine import Engine, StepInfo
+from zerotrain.lifecycle import Interrupted, Preemption, maybe_inject_fault, restart_count
 from zerotrain.models.gpt import GPT
 from zerotrain.report import Reporter, uniform_baseline
+from zerotrain.run_dir import (
+    checkpoint_root,
+    clear_run,
+    explain_failed_load,
+    new_run_id,
+    resolve_resume,
+)
+
+
+class Diverged(RuntimeError):
+    """Training produced non-finite values; the message says what to change."""
 
 
 def _threads(cfg: Config) -> int:
@@ -70,6 +83,7 @@ class Run:
     run_dir: Path
     ckpt_root: Path
     report: Reporter
+    resumed: bool
 
     @property
     def global_tokens(self) -> int:
@@ -77,11 +91,20 @@ class Run:
         return (c.data.micro_batch_size * self.dist.world_size * c.data.grad_accum_steps
                 * c.model.block_size)
 
+    def save(self) -> Path:
+        """A checkpoint of the current step — never of non-finite weights."""
+        eng = self.engine
+        if not eng.strategy.weights_finite():
+            raise Diverged(f"the weights are not finite at step {eng.global_step}; not "
+                           "saving them. Lower optimizer.lr (or use precision.dtype bf16) and "
+                           f"resume from an earlier checkpoint in {self.ckpt_root}")
+        path = eng.save_checkpoint(self.ckpt_root)
+        return path
 
-def setup(cfg: Config, resume: str | None) -> Run:
-    info = init_distributed(cfg.train.device, cfg.comm.backend, cfg.comm.timeout_s)
-    torch.set_num_threads(_threads(cfg))
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+
+def load_data(cfg: Config, rank: int, world: int
+              ) -> tuple[WindowSampler, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The training sampler and this rank's validation batches (data errors raise here)."""
     tokens = load_tokens(cfg.data.path)
     if int(tokens.max()) >= cfg.model.vocab_size:
         raise DataError(f"data holds token id {int(tokens.max())} but model.vocab_size is "
@@ -89,22 +112,58 @@ def setup(cfg: Config, resume: str | None) -> Run:
     train_tok, val_tok = train_val_split(tokens, cfg.data.val_fraction)
     T, mbs = cfg.model.block_size, cfg.data.micro_batch_size
     sampler = WindowSampler(train_tok, T, cfg.train.seed)
-    val_set = eval_batches(val_tok, T, info.rank, info.world_size, mbs, cfg.logging.eval_batches)
+    return sampler, eval_batches(val_tok, T, rank, world, mbs, cfg.logging.eval_batches)
+
+
+def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
+    """What the launcher checks before starting ranks: the run folder and the data."""
+    resolve_resume(cfg, resume)
+    load_data(cfg, 0, world)
+
+
+def setup(cfg: Config, resume: str | None) -> Run:
+    info = init_distributed(cfg.train.device, cfg.comm.backend, cfg.comm.timeout_s)
+    torch.set_num_threads(_threads(cfg))
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+    if restart_count() > 0:  # restarted by the elastic agent: continue from the latest
+        resume = "auto"
+    src = resolve_resume(cfg, resume)  # the run folder's rules, before the model exists
+    sampler, val_set = load_data(cfg, info.rank, info.world_size)
     engine = Engine(GPT(cfg.model), cfg, info.device)
+    engine.run_id = new_run_id()
     run_dir = Path(cfg.logging.run_dir)
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    if resume is not None:
-        src = ckpt_root if resume in ("", "latest") else Path(resume)
-        try:
-            resolve(src)
-        except CheckpointError as e:
-            raise CheckpointError(f"--resume: {e}") from None
-        engine.load_checkpoint(src)
+    lines = _resume(engine, src, cfg) if src is not None else []
+    barrier()  # every rank has checked the folder before rank 0 may clear it
+    if src is None and info.rank == 0:
+        clear_run(cfg)  # what an earlier, unresumable attempt or --logging.overwrite left
+    barrier()
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
-                      engine.global_step if resume is not None else None)
+                      engine.global_step if src is not None else None)
+    for line in lines:
+        report.say(line)
     if info.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    return Run(cfg, info, engine, sampler, val_set, run_dir, ckpt_root, report)
+    return Run(cfg, info, engine, sampler, val_set, run_dir, checkpoint_root(cfg), report,
+               src is not None)
+
+
+def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
+    """Load the checkpoint; the lines that tell the user what was taken from where."""
+    try:
+        path, _ = engine.load_checkpoint(src, reset_optimizer=cfg.checkpoint.reset_optimizer)
+    except CheckpointError as e:
+        raise explain_failed_load(src, e) from None
+    info = engine.last_load
+    engine.run_id = info.meta.get("run_id") or engine.run_id
+    lines = [f"[zerotrain] resumed from {path} at step {engine.global_step}"
+             + (" (resharded)" if info.resharded else "")]
+    if info.optimizer_reset:
+        lines.append(f"[zerotrain] optimizer state reset ({info.meta.get('optimizer')} -> "
+                     f"{cfg.optimizer.name}): weights, counters and loss scale were kept")
+    if info.changes:
+        lines.append("[zerotrain] warning: settings differ from the checkpoint's, this run's "
+                     "config wins: " + "; ".join(info.changes))
+    return lines
 
 
 def train_step(run: Run) -> tuple[StepInfo, float, float]:
@@ -148,9 +207,43 @@ def _log_step(run: Run, sinfo: StepInfo, loss: float, dt: float) -> float:
     return loss_avg
 
 
+class _Watch:
+    """Per-step checks that stop a run: divergence, preemption, injected faults."""
+
+    def __init__(self, run: Run, preemption: Preemption):
+        self.run, self.preemption = run, preemption
+        self.in_a_row = 0
+
+    def after_step(self, sinfo: StepInfo) -> None:
+        run, cfg = self.run, self.run.cfg
+        step = run.engine.global_step
+        if sinfo.spike:
+            run.report.say(f"[zerotrain] step {step} skipped by the spike guard: {sinfo.spike}")
+        self.in_a_row = self.in_a_row + 1 if sinfo.skipped and not sinfo.spike else 0
+        if self.in_a_row >= cfg.train.max_skipped_steps:
+            raise Diverged(f"{self.in_a_row} optimizer steps in a row had non-finite "
+                           f"gradients (up to step {step}); training has diverged. Lower "
+                           "optimizer.lr, or resume from an earlier checkpoint in "
+                           f"{run.ckpt_root} (train.max_skipped_steps sets this limit)")
+        maybe_inject_fault(cfg.train.fault, run.dist.rank, step)
+        flag = float(self.preemption.requested)
+        if run.dist.world_size > 1:  # every rank must stop at the same step boundary
+            flag = float(run.engine.comm.all_reduce_scalars([flag], op="max")[0])
+        if flag:
+            path = run.save()
+            run.report.close()
+            raise Interrupted(step, str(path))
+
+
 def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
     run = setup(cfg, resume)
     eng, report = run.engine, run.report
+    if run.resumed and eng.global_step >= cfg.train.steps:
+        report.say(f"[zerotrain] the run is already complete at step {eng.global_step} "
+                   f"(train.steps {cfg.train.steps}); raise train.steps to continue it")
+        report.close()
+        eng.close()
+        return {"type": "summary", "step": eng.global_step, "steps_run": 0}
     _start_lines(run)
     first_val = None
     if eng.global_step == 0 and cfg.logging.eval_every:
@@ -158,20 +251,24 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
         report.record({"type": "val", "step": 0, "val_loss": first_val})
     t_start = time.perf_counter()
     steps_run, loss_avg = 0, float("nan")
-    while eng.global_step < cfg.train.steps:
-        sinfo, loss, dt = train_step(run)
-        steps_run += 1
-        last = eng.global_step
-        if last % cfg.logging.log_every == 0 or last == cfg.train.steps:
-            loss_avg = _log_step(run, sinfo, loss, dt)
-        report.advance()
-        if cfg.logging.eval_every and last % cfg.logging.eval_every == 0 \
-                and last != cfg.train.steps:
-            v = evaluate(eng, run.val_set)
-            report.record({"type": "val", "step": last, "val_loss": v})
-            report.say(f"step {last}: validation loss {v:.4f}")
-        if cfg.checkpoint.every and last % cfg.checkpoint.every == 0 and last != cfg.train.steps:
-            eng.save_checkpoint(run.ckpt_root)
+    with Preemption() as preemption:
+        watch = _Watch(run, preemption)
+        while eng.global_step < cfg.train.steps:
+            sinfo, loss, dt = train_step(run)
+            steps_run += 1
+            last = eng.global_step
+            if last % cfg.logging.log_every == 0 or last == cfg.train.steps:
+                loss_avg = _log_step(run, sinfo, loss, dt)
+            report.advance()
+            watch.after_step(sinfo)
+            if cfg.logging.eval_every and last % cfg.logging.eval_every == 0 \
+                    and last != cfg.train.steps:
+                v = evaluate(eng, run.val_set)
+                report.record({"type": "val", "step": last, "val_loss": v})
+                report.say(f"step {last}: validation loss {v:.4f}")
+            if cfg.checkpoint.every and last % cfg.checkpoint.every == 0 \
+                    and last != cfg.train.steps:
+                report.say(f"[zerotrain] step {last}: checkpoint {run.save()}")
     report.close_bar()
     elapsed = time.perf_counter() - t_start
     return _finish(run, first_val, loss_avg, steps_run, elapsed)
@@ -182,7 +279,7 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     cfg, eng, report = run.cfg, run.engine, run.report
     final_val = evaluate(eng, run.val_set)
     report.record({"type": "val", "step": eng.global_step, "val_loss": final_val})
-    ckpt = eng.save_checkpoint(run.ckpt_root)
+    ckpt = run.save()
     sample = ""
     if cfg.logging.sample_tokens:
         sample = generate_text(eng, "def ", cfg.logging.sample_tokens, cfg.train.seed)
@@ -191,8 +288,9 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
         "first_val_loss": first_val, "final_val_loss": final_val, "final_train_loss": loss_avg,
         "seconds": elapsed,
         "tokens_per_s": steps_run * run.global_tokens / max(elapsed, 1e-9),
-        "skipped_steps": eng.scaler.skipped, "checkpoint": str(ckpt),
-        "world_size": run.dist.world_size, "strategy": eng.strategy.name,
+        "skipped_steps": eng.last_info.skipped_total if eng.last_info else 0,
+        "checkpoint": str(ckpt), "world_size": run.dist.world_size,
+        "strategy": eng.strategy.name,
     }
     report.record(summary)
     baseline, label = uniform_baseline(cfg.model.vocab_size)

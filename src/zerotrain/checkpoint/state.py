@@ -112,7 +112,8 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
         sd["optimizer"] = {"state": {}}
     sd.update(scaler=meta["scaler"],
               counters={"global_step": int(meta["global_step"]),
-                        "micro_step": int(meta["micro_step"])})
+                        "micro_step": int(meta["micro_step"]),
+                        "spike_guard": meta.get("spike_guard")})
     info = Loaded(ckpt, meta, not same, reset, meta.get("client_state"),
                   config_changes(meta.get("config", {}), template["meta"]["config"]))
     return sd, info

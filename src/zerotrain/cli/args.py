@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import re
 import sys
 import textwrap
@@ -94,15 +95,25 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zerotrain.config import ConfigError
     from zerotrain.data.corpus import DataError
     from zerotrain.numerics.scaler import LossScaleError
+    from zerotrain.train import Diverged
 
-    return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError)
+    return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged)
 
 
 def fail(name: str, message: object) -> int:
     """Print the one error line of `zerotrain <name>` (of `zerotrain` if name is empty);
-    returns the exit status 2."""
-    text = " ".join(str(message).split("\n")) or type(message).__name__
-    print(f"{' '.join(['zerotrain', name]).strip()}: error: {text}", file=sys.stderr)
+    returns the exit status 2.
+
+    Under `zerotrain train --nproc N` the ranks hand the line to the launcher instead
+    (a file in ZEROTRAIN_ERROR_DIR), which prints it once for the job, not once per rank.
+    """
+    text = " ".join(str(message).split()) or type(message).__name__
+    line = f"{' '.join(['zerotrain', name]).strip()}: error: {text}"
+    where = os.environ.get("ZEROTRAIN_ERROR_DIR")
+    if where and "RANK" in os.environ:
+        Path(where, f"rank{int(os.environ['RANK'])}.txt").write_text(line)
+    else:
+        print(line, file=sys.stderr)
     return 2
 
 
@@ -119,7 +130,16 @@ def command(name: str) -> Callable[[Main], Main]:
                 return e.code if isinstance(e.code, int) else 0
             except UsageError as e:  # no import needed to recognise the common case
                 return fail(name, e)
+            except KeyboardInterrupt:  # Ctrl-C outside the training loop: nothing to save
+                print(f"zerotrain {name}: interrupted", file=sys.stderr)
+                return 130
             except Exception as e:
+                from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted
+
+                if isinstance(e, Interrupted):  # saved; rank 0 says so once
+                    if int(os.environ.get("RANK", "0")) == 0:
+                        print(f"zerotrain {name}: {e}", file=sys.stderr)
+                    return EXIT_INTERRUPTED
                 if isinstance(e, user_errors()):
                     return fail(name, e)
                 raise

@@ -119,6 +119,16 @@ def _load(opts: dict, overrides: list[str], nproc: int):
     return cfg
 
 
+def _count(flag: str, text: str | bool) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"{flag} must be a whole number, got {text!r}") from None
+    if n < 0:
+        raise UsageError(f"{flag} must be >= 0, got {n}")
+    return n
+
+
 def _nproc(text: str | bool) -> int:
     try:
         n = int(text)
@@ -134,20 +144,30 @@ def main_train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    opts, overrides = _split_known(argv, {"--config": True, "--nproc": True, "--resume": True,
-                                          "--deepspeed": True, "--deepspeed_config": True})
+    opts, overrides = _split_known(argv, {
+        "--config": True, "--nproc": True, "--resume": True, "--deepspeed": True,
+        "--deepspeed_config": True, "--max-restarts": True})
     if opts.get("--nproc") == "":
         raise UsageError("--nproc needs a number of ranks, e.g. --nproc 2")
     nproc = _nproc(opts["--nproc"]) if "--nproc" in opts else 1
+    restarts = _count("--max-restarts", opts.get("--max-restarts", "0"))
     cfg = _load(opts, overrides, nproc)  # validate before launching
-    if nproc > 1:
-        from zerotrain.comm.dist import launched_by_torchrun
-        from zerotrain.comm.launch import launch_local
+    resume = opts.get("--resume")
+    resume = None if resume is None else str(resume)
+    from zerotrain.comm.dist import launched_by_torchrun
 
-        if not launched_by_torchrun():
-            return launch_local(nproc, ["train", *_drop_flag(argv, "--nproc")])
+    if launched_by_torchrun():
+        from zerotrain.lifecycle import die_with_parent
+
+        die_with_parent()
+    elif nproc > 1 or restarts:
+        from zerotrain.comm.launch import launch_local
+        from zerotrain.train import check_before_launch
+
+        check_before_launch(cfg, resume, nproc)  # one error now, not one per rank later
+        rest = _drop_flag(_drop_flag(argv, "--nproc"), "--max-restarts")
+        return launch_local(nproc, ["train", *rest], max_restarts=restarts)
     from zerotrain.train import train
 
-    resume = opts.get("--resume")
-    train(cfg, resume=None if resume is None else str(resume))
+    train(cfg, resume=resume)
     return 0

@@ -57,11 +57,26 @@ def init_distributed(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(
-            be, timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=dev if dev.type == "cuda" else None,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(be, timeout=timeout, store=_attempt_store(rank, world, timeout),
+                                rank=rank, world_size=world,
+                                device_id=dev if dev.type == "cuda" else None)
     return DistInfo(rank, world, local_rank, dev, be)
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this attempt of the job.
+
+    After a restart (`--max-restarts`), torchrun's agent keeps its store: without a
+    per-attempt prefix the new ranks can read the dead ranks' connection addresses and
+    never connect.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout,
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"zerotrain/attempt_{attempt}", store)
 
 
 def world() -> tuple[int, int]:

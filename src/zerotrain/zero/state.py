@@ -61,6 +61,11 @@ class StrategyState:
                 u.master.copy_(gather_range(u.layout(), lo, hi, read, u.master.dtype))
         self.publish_all()
 
+    def weights_finite(self) -> bool:
+        """Whether every rank's master weights are finite (collective; before a save)."""
+        bad = any(not bool(torch.isfinite(u.master).all()) for u in self.units)
+        return float(self.comm.all_reduce_scalars([float(bad)], op="max")[0]) == 0.0
+
     def publish_all(self) -> None:
         with torch.no_grad():
             for u in self.units:

@@ -1,0 +1,130 @@
+"""The run folder's rules: one run per folder, and what `--resume` means in it.
+
+- A new run refuses a folder that holds another run (its checkpoints or metrics), unless
+  told to resume it or to overwrite it (`logging.overwrite`), so nothing is lost by a
+  second `zerotrain train` with the same `logging.run_dir`.
+- `--resume` takes the folder's latest checkpoint (or a given path); `--resume auto`
+  resumes when a complete checkpoint exists and starts afresh otherwise — what a
+  preemptible job script runs every time, and what restarted ranks do.
+- A checkpoint that does not load is named, with the newest older one that still does.
+
+These checks need no model, so the launcher runs them before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from zerotrain.checkpoint import CheckpointError, resolve
+from zerotrain.checkpoint.io import complete_checkpoints, read_meta, verify
+from zerotrain.config import Config, ConfigError
+
+#: what a training run leaves in its folder (removed by logging.overwrite)
+RUN_FILES = ("metrics.jsonl", "config.json", "curves.png", "sample.txt")
+RUN_DIRS = ("tensorboard", "wandb")
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.logging.run_dir) / \
+        "checkpoints"
+
+
+def check_writable(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"logging.run_dir '{run_dir}' is a file; give a folder path")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"logging.run_dir '{run_dir}' is not writable ({e.strerror}); "
+                          "give another --logging.run_dir") from None
+
+
+def holds_run(cfg: Config) -> str | None:
+    """What shows that the run folder already holds a run, or None."""
+    run_dir, root = Path(cfg.logging.run_dir), checkpoint_root(cfg)
+    if root.is_dir():
+        done = complete_checkpoints(root)
+        if done:
+            return f"checkpoint {done[-1].name}"
+    if (run_dir / "metrics.jsonl").is_file():
+        return "metrics.jsonl"
+    return None
+
+
+def resolve_resume(cfg: Config, resume: str | None) -> Path | None:
+    """The checkpoint to resume from (None: start afresh); raises on a folder conflict.
+
+    `resume`: None (a new run), "" or "latest" (the folder's latest), "auto", or a path.
+    """
+    run_dir, root = Path(cfg.logging.run_dir), checkpoint_root(cfg)
+    check_writable(run_dir)
+    if resume == "auto":
+        return root if root.is_dir() and complete_checkpoints(root) else None
+    if resume is not None:
+        src = root if resume in ("", "latest") else Path(resume)
+        try:
+            resolve(src)
+        except CheckpointError as e:
+            raise CheckpointError(f"--resume: {e}") from None
+        return src
+    found = holds_run(cfg)
+    if found and not cfg.logging.overwrite:
+        raise ConfigError(
+            f"logging.run_dir '{run_dir}' holds another run ({found}); continue it with "
+            "--resume, start elsewhere with a new --logging.run_dir, or replace it with "
+            "--logging.overwrite true")
+    return None
+
+
+def clear_run(cfg: Config) -> None:
+    """Remove a previous run's files (a new run starting in its folder; rank 0)."""
+    run_dir, root = Path(cfg.logging.run_dir), checkpoint_root(cfg)
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for f in run_dir.glob("metrics-*.csv"):
+        f.unlink()
+    for name in RUN_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    if root.is_dir():
+        for p in [*root.glob("step_*"), root / "latest"]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def loadable_fallback(src: Path, bad: Path | None) -> Path | None:
+    """The newest complete checkpoint beside `src` other than `bad` whose files verify."""
+    root = src if (src / "latest").exists() or not (src / "meta.json").exists() else src.parent
+    for ckpt in reversed(complete_checkpoints(root)):
+        if bad is not None and ckpt.resolve() == bad.resolve():
+            continue
+        try:
+            meta = read_meta(ckpt)
+            verify(ckpt, meta, [f for f in ckpt.iterdir() if f.name != "meta.json"])
+        except CheckpointError:
+            continue
+        return ckpt
+    return None
+
+
+def explain_failed_load(src: Path, error: CheckpointError) -> CheckpointError:
+    """The load error, plus which older checkpoint still loads (if one does)."""
+    try:
+        bad = resolve(src)
+    except CheckpointError:
+        bad = None
+    older = loadable_fallback(src, bad)
+    hint = (f"; {older.name} still loads: resume from it with --resume {older}"
+            if older is not None else "")
+    return CheckpointError(f"{error}{hint}")
