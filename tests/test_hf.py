@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from zerotrain.config import ConfigError, ModelConfig
@@ -24,7 +25,6 @@ from zerotrain.models.llama import Llama
 from zerotrain.models.plan import Group
 from zerotrain.models.weights import SafetensorsIndex, bind
 
-transformers = pytest.importorskip("transformers")
 IDX = torch.randint(0, 80, (2, 24), generator=torch.Generator().manual_seed(0))
 
 

@@ -4,14 +4,13 @@ presets and parameter counts against the built model, and config resolution erro
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from zerotrain.config import ConfigError, ModelConfig, build_config
 from zerotrain.models import PRESETS, build_model, count_params, plan_for, resolve_model_config
 from zerotrain.models.hf_export import hf_name, to_hf
 from zerotrain.models.llama import Llama
 from zerotrain.models.plan import Group
-
-transformers = pytest.importorskip("transformers")
 
 
 def tiny(**kw) -> ModelConfig:

@@ -62,10 +62,12 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
         raise DataError(f"data.path '{p}' does not exist; pass a text file, a folder of text "
                         "files, or a .bin written by `zerotrain prepare`")
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
-                       and f.suffix not in (".bin", ".json"))
-        if not files:
+        from zerotrain.data.sources import inventory  # (sources imports DataError from here)
+
+        if not any(f.is_file() for f in p.rglob("*")):
             raise DataError(f"data.path folder '{p}' contains no files")
+        # text files only: no dot-directories (.git), binaries (images) or .json/.bin outputs
+        files = [f for _, f in inventory([p]).files]
         return _read_texts(files, f"folder '{p}'")
     if p.suffix == ".bin":
         if p.stat().st_size < 4 or p.stat().st_size % 2:
