@@ -14,6 +14,7 @@ from zerotrain.data.corpus import DataError, load_tokens, stdlib_sources, train_
 from zerotrain.data.dataset import load_splits
 from zerotrain.data.sampler import WindowSampler, eval_batches
 from zerotrain.data.shards import prepare, token_dtype
+from zerotrain.data.sources import split_text
 from zerotrain.data.token_shards import TokenShards
 from zerotrain.data.tokenizer import ByteTokenizer, train_bpe
 from zerotrain.data.windows import ArrayWindows, SegmentWindows, permutation
@@ -63,13 +64,33 @@ def test_prepare_bytes_matches_hand_built_stream(tmp_path, workers, chunk):
     assert not (tmp_path / "out.tmp").exists()
 
 
-def test_prepare_bpe_and_uint32(tmp_path):
-    text = "".join(f"line {i}: the quick brown fox ü\n" for i in range(400))
+def code_like_text(n: int) -> str:
+    """Indentation, blank lines, trailing spaces, unicode: where cutting could change BPE."""
+    rng = np.random.default_rng(1)
+    lines = []
+    for i in range(n):
+        indent = " " * int(rng.integers(0, 3)) * 4
+        tail = " " * int(rng.integers(0, 2))
+        lines.append(f"{indent}line_{i} = fox(ü, {i}){tail}\n" + "\n" * int(rng.integers(0, 2)))
+    return "".join(lines)
+
+
+def test_cut_pieces_tokenize_exactly_like_the_whole_text(tmp_path):
+    text = code_like_text(600)
+    tok = train_bpe([text], 320, tmp_path / "tok.json")
+    whole = tok.encode(text)
+    pieces = split_text(text, piece=50)
+    assert len(pieces) > 100 and "".join(pieces) == text
+    assert [i for p in pieces for i in tok.encode(p)] == whole
     (tmp_path / "t.txt").write_text(text)
-    tok = train_bpe([text], 300, tmp_path / "tok.json")
-    m = prepare([tmp_path / "t.txt"], str(tmp_path / "tok.json"), tmp_path / "bpe", workers=0)
+    m = prepare([tmp_path / "t.txt"], str(tmp_path / "tok.json"), tmp_path / "bpe", workers=0,
+                chunk_bytes=97)  # hundreds of items, cut in the file
     got = TokenShards(tmp_path / "bpe", tok).shard(0).tolist()
-    assert got == [*tok.encode(text), tok.eos_id] and m["text_bytes"] == len(text.encode())
+    assert got == [*whole, tok.eos_id] and m["text_bytes"] == len(text.encode())
+
+
+def test_prepare_uint32(tmp_path):
+    (tmp_path / "t.txt").write_text(code_like_text(50))
 
     class Wide(ByteTokenizer):  # a vocabulary past 2^16 must be stored as uint32
         vocab_size, eos_id = 70_000, 69_999

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from zerotrain.data.corpus import DataError
-from zerotrain.data.sources import Item, inventory, plan_items, read_item
+from zerotrain.data.sources import Item, inventory, plan_items, read_item, split_text
 from zerotrain.data.tokenizer import Tokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
@@ -63,9 +63,13 @@ def _init_worker(tok: Tokenizer | str, text_field: str) -> None:
 def _encode(tok: Any, docs: list[str | bytes]) -> list[np.ndarray]:
     if hasattr(tok, "encode_bytes") and all(isinstance(d, bytes) for d in docs):
         return [tok.encode_bytes(d) for d in docs]  # bytes: no decode/encode round trip
-    texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
-    ids = tok.encode_batch(texts) if hasattr(tok, "encode_batch") else map(tok.encode, texts)
-    return [np.asarray(i, dtype=np.int64) for i in ids]
+    out = []
+    for d in docs:
+        text = d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d
+        # ~64 Ki characters at a time: encoding a MiB at once costs a tokenizer ~100 MB
+        out.append(np.concatenate([np.asarray(tok.encode(p), dtype=np.int64)
+                                   for p in split_text(text)]))
+    return out
 
 
 def tokenize_item(item: Item) -> tuple[np.ndarray, int, int]:

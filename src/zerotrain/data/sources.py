@@ -3,8 +3,9 @@
 Inputs: text files, folders of them (dot-directories, dotfiles and binary files are
 skipped: a folder may hold `.git/` or images), `.jsonl` (one document per line, in a
 text field) and `.parquet` (one document per row; needs pyarrow). Each input is cut into
-`Item`s of about `chunk_bytes`: byte ranges of a file that end at a line break (found by
-reading a little around each cut), or one row group of a parquet file. An item is read
+`Item`s of about `chunk_bytes`: byte ranges of a file cut at line breaks (found by
+reading a little around each cut; see `cut_point` for why a BPE sees the same tokens as
+with the whole file), or one row group of a parquet file. An item is read
 on its own, so a pool of processes can tokenize items in any order and the writer puts
 them back in order. A text file is one document; its last item ends the document.
 """
@@ -96,27 +97,56 @@ def inventory(sources: Sequence[str | Path]) -> Inventory:
     return inv
 
 
-def _next_break(f, pos: int, size: int, limit: int | None) -> int:
-    """First offset after a line break at or after `pos` (reading forward in 64 KiB steps);
-    with `limit`, give up after that many bytes and back up to a UTF-8 character start."""
-    f.seek(pos)
-    scanned = 0
-    while pos + scanned < size:
-        block = f.read(1 << 16)
-        i = block.find(b"\n")
+def cut_point(buf: bytes, start: int, records: bool) -> int:
+    """Where to cut `buf` at or after `start`, or -1. Records (jsonl): just after a newline.
+    Text: just before a newline that follows a printable ASCII character. No byte-level
+    BPE pre-token spans such a point (a pre-token never holds a non-space followed by a
+    space), so tokenizing the pieces gives exactly the tokens of the whole text."""
+    i = buf.find(b"\n", max(start, 1))
+    while i >= 0 and not records and not 0x21 <= buf[i - 1] <= 0x7E:
+        i = buf.find(b"\n", i + 1)
+    return i + 1 if i >= 0 and records else i
+
+
+def _next_cut(f, pos: int, size: int, records: bool) -> int:
+    """The first cut point at or after `pos`, reading forward in 64 KiB steps. Text with
+    no cut point within _MAX_LINE bytes is cut at a UTF-8 character start instead."""
+    at = pos - 1  # one byte of context: the rule looks at the byte before the newline
+    while at + 1 < size:
+        f.seek(at)
+        block = f.read((1 << 16) + 1)
+        i = cut_point(block, 1, records)
         if i >= 0:
-            return pos + scanned + i + 1
-        scanned += len(block)
-        if limit is not None and scanned >= limit:
+            return at + i
+        at += len(block) - 1
+        if not records and at - pos >= _MAX_LINE:
             f.seek(pos)
             head = f.read(4)
-            k = next((j for j in range(len(head)) if head[j] & 0xC0 != 0x80), 0)
-            return pos + k
+            return pos + next((j for j in range(len(head)) if head[j] & 0xC0 != 0x80), 0)
     return size
 
 
+def split_text(text: str, piece: int = 1 << 16) -> list[str]:
+    """`text` in pieces of about `piece` characters, cut by `cut_point`'s text rule (a
+    tokenizer's memory grows with the length it encodes at once)."""
+    out, start = [], 0
+    while len(text) - start > piece:
+        i = start + piece
+        while True:
+            i = text.find("\n", i)
+            if i < 0 or "!" <= text[i - 1] <= "~":
+                break
+            i += 1
+        if i < 0:
+            break
+        out.append(text[start:i])
+        start = i
+    out.append(text[start:])
+    return out
+
+
 def plan_items(inv: Inventory, chunk_bytes: int = 1 << 20) -> list[Item]:
-    """Cut every input into items of about `chunk_bytes`, each ending at a line break."""
+    """Cut every input into items of about `chunk_bytes` at `cut_point`s."""
     items: list[Item] = []
     for kind, path in inv.files:
         if kind == "parquet":
@@ -129,8 +159,7 @@ def plan_items(inv: Inventory, chunk_bytes: int = 1 << 20) -> list[Item]:
         cuts = [0]
         with open(path, "rb") as f:
             while cuts[-1] + chunk_bytes < size:
-                limit = None if kind == "jsonl" else _MAX_LINE
-                cuts.append(_next_break(f, cuts[-1] + chunk_bytes, size, limit))
+                cuts.append(_next_cut(f, cuts[-1] + chunk_bytes, size, kind == "jsonl"))
         if cuts[-1] < size:
             cuts.append(size)
         for a, b in itertools.pairwise(cuts):
