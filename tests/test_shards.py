@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from zerotrain.data.corpus import DataError, load_tokens, stdlib_sources, train_val_split
-from zerotrain.data.dataset import load_splits
+from zerotrain.data.dataset import cached_shards, load_splits
 from zerotrain.data.sampler import WindowSampler, eval_batches
 from zerotrain.data.shards import prepare, token_dtype
 from zerotrain.data.sources import split_text
@@ -198,3 +198,16 @@ def test_load_splits_paths(tmp_path):
     text = bytes(load_tokens(tmp_path / "src").astype(np.uint8)).decode("utf-8", "replace")
     assert "never be read" not in text and "PNG" not in text and "héllo" in text
     assert len(stdlib_sources()) > 100
+
+
+def test_cached_shards_prepare_once_per_tokenizer(tmp_path):
+    make_tree(tmp_path / "src")
+    src = tmp_path / "src" / "docs"
+    out = cached_shards(src, ByteTokenizer(), tmp_path / "run")
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert cached_shards(src, ByteTokenizer(), tmp_path / "run") == out
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp  # reused
+    tok = train_bpe([code_like_text(40)], 280, tmp_path / "t.json")
+    cached_shards(src, tok, tmp_path / "run")  # another tokenizer: prepared again
+    assert TokenShards(out, tok).vocab_size == 280
+    assert cached_shards(out, tok, tmp_path / "elsewhere") == out  # shards stay where they are

@@ -8,7 +8,8 @@
   process into one array, which is right for corpora of a few hundred MB at most; larger
   ones should be prepared into shards once.
 `resolve_tokenizer` turns `bpe:N` into a trained tokenizer.json in a cache folder (the
-run directory), reused on resume.
+run directory), reused on resume; `cached_shards` tokenizes text once into shards there,
+so ranks share one tokenization instead of each holding its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from zerotrain.data.corpus import DataError, load_tokens, stdlib_sources, train_val_split
-from zerotrain.data.shards import token_dtype, tokenize_items
+from zerotrain.data.shards import MANIFEST, prepare, token_dtype, tokenize_items
 from zerotrain.data.sources import inventory, iter_texts, plan_items
 from zerotrain.data.token_shards import ShardSplit, TokenShards, is_shard_folder
 from zerotrain.data.tokenizer import (
@@ -31,6 +32,7 @@ from zerotrain.data.tokenizer import (
 )
 
 TOKENIZER_FILE = "tokenizer.json"
+SHARDS_DIR = "tokens"
 
 
 def _sources(path: str | Path | None) -> Sequence[str | Path]:
@@ -86,3 +88,23 @@ def load_splits(path: str | Path | None, tok: Tokenizer, val_fraction: float,
     if not len(tokens):
         raise DataError(f"data.path '{path}' holds no text")
     return train_val_split(tokens, val_fraction)
+
+
+def cached_shards(path: str | Path | None, tok: Tokenizer, cache_dir: str | Path,
+                  text_field: str = "text") -> Path:
+    """Token shards of data.path (or the embedded corpus) under `cache_dir/tokens`,
+    prepared once and reused while the inputs and the tokenizer are the same. Call on
+    rank 0 first; after a barrier the other ranks get the same folder back."""
+    if path is not None and is_shard_folder(path):
+        return Path(path)
+    out = Path(cache_dir) / SHARDS_DIR
+    inputs = [str(s) for s in _sources(path)]
+    if (out / MANIFEST).is_file():
+        try:
+            shards = TokenShards(out, tok)
+            if shards.manifest["sources"]["inputs"] == inputs:
+                return out
+        except DataError:
+            pass  # another tokenizer: prepare again
+    prepare(inputs, tok, out, text_field=text_field, overwrite=True)
+    return out

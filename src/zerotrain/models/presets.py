@@ -16,13 +16,22 @@ from typing import Any
 
 from zerotrain.config import ConfigError, ModelConfig, llama_intermediate_size
 
-#: name -> (family, sizes). Counts: V = 50,304 for gpt, 32,000 for llama.
+#: name -> (family, sizes). Parameters (count_params; a gpt's tied head counts once):
+#:   preset       GPT-2/Llama vocab          bytes (V 256, block_size 128)
+#:   gpt-tiny       7.36M (V 50,304, T 1024)   0.84M
+#:   gpt-mini      30.36M                     10.80M
+#:   gpt-small    124.48M  (GPT-2 small)      85.35M
+#:   gpt-medium   354.87M  (GPT-2 medium)    302.70M
+#:   llama-tiny     8.98M (V 32,000)           0.85M
+#:   llama-60m     58.07M                     25.57M
+#:   llama-125m   134.11M                     85.35M
+#:   llama-350m   367.97M                    302.96M
+#:   llama-1b    1100.05M  (TinyLlama-1.1B's shape: 1,100,048,384 exactly)
 PRESETS: dict[str, tuple[str, dict[str, int]]] = {
-    # 0.85M (+ 6.4M embedding+head at V 50,304); 1.85M at V 256 with 192 wide... see tests
     "gpt-tiny": ("gpt", {"n_layer": 4, "n_head": 4, "n_embd": 128}),
     "gpt-mini": ("gpt", {"n_layer": 6, "n_head": 6, "n_embd": 384}),
-    "gpt-small": ("gpt", {"n_layer": 12, "n_head": 12, "n_embd": 768}),      # GPT-2 small
-    "gpt-medium": ("gpt", {"n_layer": 24, "n_head": 16, "n_embd": 1024}),    # GPT-2 medium
+    "gpt-small": ("gpt", {"n_layer": 12, "n_head": 12, "n_embd": 768}),
+    "gpt-medium": ("gpt", {"n_layer": 24, "n_head": 16, "n_embd": 1024}),
     "llama-tiny": ("llama", {"n_layer": 4, "n_head": 4, "n_kv_head": 2, "n_embd": 128}),
     "llama-60m": ("llama", {"n_layer": 8, "n_head": 8, "n_embd": 512, "intermediate_size": 1376}),
     "llama-125m": ("llama", {"n_layer": 12, "n_head": 12, "n_embd": 768,
@@ -30,7 +39,7 @@ PRESETS: dict[str, tuple[str, dict[str, int]]] = {
     "llama-350m": ("llama", {"n_layer": 24, "n_head": 16, "n_embd": 1024,
                              "intermediate_size": 2736}),
     "llama-1b": ("llama", {"n_layer": 22, "n_head": 32, "n_kv_head": 4, "n_embd": 2048,
-                           "intermediate_size": 5632}),                       # TinyLlama shape
+                           "intermediate_size": 5632}),
 }
 
 
