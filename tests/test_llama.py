@@ -125,3 +125,16 @@ def test_vocab_follows_tokenizer_unless_set():
                                 ).vocab_size == 4160  # padded: allowed
     with pytest.raises(ConfigError, match="smaller than the tokenizer's 4096"):
         resolve_model_config(ModelConfig(vocab_size=256), tokenizer_vocab=4096)
+
+
+def test_shipped_llama_bpe_config_resolves():
+    from pathlib import Path
+
+    from zerotrain.config import load_config
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "llama-bpe.yaml")
+    assert cfg.data.tokenizer == "bpe:4096"
+    m = resolve_model_config(cfg.model, tokenizer_vocab=4096)
+    assert (m.arch, m.n_layer, m.n_embd, m.n_kv_head, m.vocab_size) == ("llama", 4, 128, 2, 4096)
+    assert count_params(m) == 4 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 384 + 256) \
+        + 128 + 2 * 4096 * 128  # blocks + final norm + embedding and untied head
