@@ -127,6 +127,10 @@ class SafetensorsIndex:
         self.bytes_read += (r1 - r0) * row * _ITEMSIZE[info.dtype]
         return rows.reshape(-1)[start - r0 * row:stop - r0 * row]
 
+    def close(self) -> None:
+        """Drop the open files: safetensors maps them, and mapped pages count in RSS."""
+        self._open.clear()
+
     def read(self, name: str, transposed: bool = False) -> Tensor:
         info = self.entries[name]
         flat = self.read_slice(name, 0, info.numel, transposed)
@@ -189,6 +193,9 @@ class Weights:
             raise WeightError(f"the model has no parameter '{param}' bound to '{self.index.path}'")
         stored, transposed = self.binding[param]
         return self.index.read_slice(stored, start, stop, transposed)
+
+    def close(self) -> None:
+        self.index.close()
 
     @torch.no_grad()
     def load_into(self, model: nn.Module) -> None:
