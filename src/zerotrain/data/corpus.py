@@ -67,7 +67,7 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
         if not any(f.is_file() for f in p.rglob("*")):
             raise DataError(f"data.path folder '{p}' contains no files")
         # text files only: no dot-directories (.git), binaries (images) or .json/.bin outputs
-        files = [f for _, f in inventory([p]).files]
+        files = [f for kind, f in inventory([p]).files if kind != "parquet"]
         return _read_texts(files, f"folder '{p}'")
     if p.suffix == ".bin":
         if p.stat().st_size < 4 or p.stat().st_size % 2:
