@@ -13,13 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
+from zerotrain.data.errors import DataError
+from zerotrain.data.sources import inventory
+
+__all__ = ["DataError", "decode", "encode", "load_tokens", "prepare", "stdlib_sources",
+           "train_val_split"]
+
 VOCAB_SIZE = 256
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 _BLOCK = 1 << 16  # train/val are interleaved in 64 KiB blocks so both see every file type
-
-
-class DataError(ValueError):
-    """A user-caused data problem (missing, empty, unreadable path)."""
 
 
 def encode(text: str) -> np.ndarray:
@@ -62,10 +64,10 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
         raise DataError(f"data.path '{p}' does not exist; pass a text file, a folder of text "
                         "files, or a .bin written by `zerotrain prepare`")
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
-                       and f.suffix not in (".bin", ".json"))
-        if not files:
+        if not any(f.is_file() for f in p.rglob("*")):
             raise DataError(f"data.path folder '{p}' contains no files")
+        # text files only: no dot-directories (.git), binaries (images) or .json/.bin outputs
+        files = [f for kind, f in inventory([p]).files if kind != "parquet"]
         return _read_texts(files, f"folder '{p}'")
     if p.suffix == ".bin":
         if p.stat().st_size < 4 or p.stat().st_size % 2:

@@ -8,6 +8,12 @@ the step's windows. So:
 - the *global* batch of a step is the same whatever the world size or accumulation,
   which is what lets ZeRO-k on N ranks be compared with one process;
 - resuming at step s needs no sampler state: the batch is a function of s.
+
+`tokens` is an array (held in memory) or anything with a `windows(seq_len)` method
+returning a window source (token shards read from disk, a train/validation view of them;
+see `windows.py`). Up to 2^20 windows the epoch's permutation is numpy's, held in memory;
+beyond that a stateless Feistel permutation computes each position's window on demand,
+so a rank's memory does not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -15,18 +21,29 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from zerotrain.data.corpus import DataError
+from zerotrain.data.errors import DataError
+from zerotrain.data.windows import ArrayWindows, WindowSource, permutation
+
+EXPLICIT_PERM_MAX = 1 << 20  # windows; above this the permutation is computed, not stored
+
+
+def as_windows(tokens, seq_len: int) -> WindowSource:
+    """The window source of an array or of an object that makes its own (`windows`)."""
+    make = getattr(tokens, "windows", None)
+    return make(seq_len) if callable(make) else ArrayWindows(tokens, seq_len)
 
 
 class WindowSampler:
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+    def __init__(self, tokens, seq_len: int, seed: int):
         self.tokens = tokens
+        self.source = as_windows(tokens, seq_len)
         self.seq_len = seq_len
         self.seed = seed
-        self.n_windows = (len(tokens) - 1) // seq_len
+        self.n_windows = self.source.n
         if self.n_windows < 1:
+            size = f"{len(tokens)} tokens" if hasattr(tokens, "__len__") else "too few tokens"
             raise DataError(
-                f"data has {len(tokens)} tokens, fewer than one window of model.block_size+1 = "
+                f"data has {size}, fewer than one window of model.block_size+1 = "
                 f"{seq_len + 1}; give more text or a smaller model.block_size"
             )
         self._perms: dict[int, np.ndarray] = {}
@@ -45,14 +62,15 @@ class WindowSampler:
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(pos // self.n_windows):
             sel = pos // self.n_windows == epoch
-            out[sel] = self._perm(int(epoch))[pos[sel] % self.n_windows]
+            local = pos[sel] % self.n_windows
+            if self.n_windows <= EXPLICIT_PERM_MAX:
+                out[sel] = self._perm(int(epoch))[local]
+            else:
+                out[sel] = permutation(local, self.n_windows, [self.seed, int(epoch)])
         return out
 
     def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        T = self.seq_len
-        rows = np.stack([np.asarray(self.tokens[i * T: i * T + T + 1], dtype=np.int64)
-                         for i in ids])
-        t = torch.from_numpy(rows)
+        t = torch.from_numpy(self.source.get(np.asarray(ids)))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def batch(self, step: int, micro: int, rank: int, world: int, micro_bs: int,
@@ -73,7 +91,7 @@ def local_rows(micro: int, rank: int, world: int, micro_bs: int) -> slice:
     return slice(start, start + micro_bs)
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, rank: int, world: int, micro_bs: int,
+def eval_batches(tokens, seq_len: int, rank: int, world: int, micro_bs: int,
                  n_batches: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed validation set (same windows every evaluation), split across ranks.
 

@@ -1,0 +1,110 @@
+"""From `data.path` + `data.tokenizer` to what the sampler reads: one entry point for training.
+
+- A token-shard folder (from `prepare`): opened, checked against the tokenizer, split
+  into train/validation views; nothing is loaded.
+- The byte tokenizer on the embedded corpus or a legacy `.bin`: exactly today's path
+  (`corpus.load_tokens` + `train_val_split`).
+- Anything else (text, folders, .jsonl, .parquet with any tokenizer): tokenized in this
+  process into one array, which is right for corpora of a few hundred MB at most; larger
+  ones should be prepared into shards once.
+`resolve_tokenizer` turns `bpe:N` into a trained tokenizer.json in a cache folder (the
+run directory), reused on resume; `cached_shards` tokenizes text once into shards there,
+so ranks share one tokenization instead of each holding its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from zerotrain.data.corpus import DataError, load_tokens, stdlib_sources, train_val_split
+from zerotrain.data.shards import MANIFEST, prepare, token_dtype, tokenize_items
+from zerotrain.data.sources import inventory, iter_texts, plan_items
+from zerotrain.data.token_shards import ShardSplit, TokenShards, is_shard_folder
+from zerotrain.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
+
+TOKENIZER_FILE = "tokenizer.json"
+SHARDS_DIR = "tokens"
+
+
+def _sources(path: str | Path | None) -> Sequence[str | Path]:
+    return stdlib_sources() if path is None else [path]
+
+
+def tokenize(sources: Sequence[str | Path], tok: Tokenizer, text_field: str = "text",
+             workers: int = 0) -> np.ndarray:
+    """The whole token stream of `sources` in memory (documents separated as in shards)."""
+    items = plan_items(inventory(sources))
+    parts = [t for t, _, _ in tokenize_items(items, tok, text_field, workers)]
+    return np.concatenate(parts) if parts else np.zeros(0, token_dtype(tok.vocab_size))
+
+
+def resolve_tokenizer(spec: str, data_path: str | Path | None = None,
+                      cache_dir: str | Path | None = None, text_field: str = "text") -> Tokenizer:
+    """`bytes`, a path, or `bpe:N`: train an N-token BPE on the training text into
+    `cache_dir/tokenizer.json` the first time, load it afterwards. With several ranks,
+    call it on rank 0 first, then (after a barrier) on the others."""
+    if not spec.startswith("bpe:"):
+        return load_tokenizer(spec)
+    n = int(spec[4:])
+    if cache_dir is None:
+        raise DataError(f"data.tokenizer {spec} needs a folder to keep the trained tokenizer in")
+    out = Path(cache_dir) / TOKENIZER_FILE
+    if out.is_file():
+        tok = HFTokenizer.from_file(out)
+        if tok.vocab_size != n:
+            raise DataError(f"'{out}' has {tok.vocab_size} tokens but data.tokenizer is {spec}; "
+                            "delete it to train again, or use the same N")
+        return tok
+    if data_path is not None and is_shard_folder(data_path):
+        raise DataError(f"data.tokenizer {spec} trains on text, but data.path '{data_path}' "
+                        "holds tokens; pass the tokenizer the shards were prepared with")
+    return train_bpe(iter_texts(_sources(data_path), text_field), n, out)
+
+
+Split = np.ndarray | ShardSplit
+
+
+def load_splits(path: str | Path | None, tok: Tokenizer, val_fraction: float,
+                text_field: str = "text") -> tuple[Split, Split]:
+    """(train, validation) token sources for `WindowSampler` / `eval_batches`."""
+    if path is not None and is_shard_folder(path):
+        return TokenShards(path, tok).split(val_fraction)
+    legacy_bin = path is not None and Path(path).suffix == ".bin"
+    if isinstance(tok, ByteTokenizer) and (path is None or legacy_bin):
+        return train_val_split(load_tokens(path), val_fraction)
+    if legacy_bin:
+        raise DataError(f"'{path}' holds byte tokens; use data.tokenizer bytes, or prepare "
+                        "token shards with this tokenizer (`zerotrain prepare --tokenizer`)")
+    tokens = tokenize(_sources(path), tok, text_field)
+    if not len(tokens):
+        raise DataError(f"data.path '{path}' holds no text")
+    return train_val_split(tokens, val_fraction)
+
+
+def cached_shards(path: str | Path | None, tok: Tokenizer, cache_dir: str | Path,
+                  text_field: str = "text") -> Path:
+    """Token shards of data.path (or the embedded corpus) under `cache_dir/tokens`,
+    prepared once and reused while the inputs and the tokenizer are the same. Call on
+    rank 0 first; after a barrier the other ranks get the same folder back."""
+    if path is not None and is_shard_folder(path):
+        return Path(path)
+    out = Path(cache_dir) / SHARDS_DIR
+    inputs = [str(s) for s in _sources(path)]
+    if (out / MANIFEST).is_file():
+        try:
+            shards = TokenShards(out, tok)
+            if shards.manifest["sources"]["inputs"] == inputs:
+                return out
+        except DataError:
+            pass  # another tokenizer: prepare again
+    prepare(inputs, tok, out, text_field=text_field, overwrite=True)
+    return out

@@ -1,0 +1,185 @@
+"""Token shards: a corpus tokenized once, in bounded memory, read back without loading it.
+
+`prepare` streams inputs (see `sources.py`) through a pool of tokenizing processes, in
+items of about a MiB, and writes the tokens in input order into fixed-size shards
+(uint16 when the vocabulary fits, else uint32), documents separated by the tokenizer's
+end-of-text token (the byte tokenizer has none: a blank line). At most `2 × workers`
+items are in flight, so memory does not depend on the corpus. Everything is written
+into `<out>.tmp` and renamed at the end, with a `manifest.json`: tokenizer, vocabulary,
+dtype, per-shard token counts and SHA-256, and a summary of the sources.
+
+`TokenShards` opens such a folder, validates it against its manifest (and, on request,
+the checksums), and reads windows with `os.pread`: bytes go through the page cache but
+are never mapped into the process, so a long run that touches the whole corpus keeps a
+flat RSS (`shard(i)` gives a read-only memmap when an array view is wanted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zerotrain.data.errors import DataError
+from zerotrain.data.sources import Item, inventory, plan_items, read_item, split_text
+from zerotrain.data.tokenizer import Tokenizer, load_tokenizer
+
+MANIFEST = "manifest.json"
+FORMAT = "zerotrain-shards"
+BYTE_SEPARATOR = b"\n\n"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def separator(tok: Tokenizer) -> list[int]:
+    """Tokens between documents: end-of-text, or a blank line for tokenizers without one."""
+    return [tok.eos_id] if tok.eos_id is not None else tok.encode(BYTE_SEPARATOR.decode())
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tok: Tokenizer | str, text_field: str) -> None:
+    """Load the tokenizer once per process (a worker gets its spec, not the object)."""
+    if isinstance(tok, str):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the pool is the parallelism
+        tok = load_tokenizer(tok)
+    _WORKER.update(tok=tok, field=text_field, sep=np.array(separator(tok), dtype=np.int64),
+                   dtype=token_dtype(tok.vocab_size))
+
+
+def _encode(tok: Any, docs: list[str | bytes]) -> list[np.ndarray]:
+    if hasattr(tok, "encode_bytes") and all(isinstance(d, bytes) for d in docs):
+        return [tok.encode_bytes(d) for d in docs]  # bytes: no decode/encode round trip
+    out = []
+    for d in docs:
+        text = d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d
+        # ~64 Ki characters at a time: encoding a MiB at once costs a tokenizer ~100 MB
+        out.append(np.concatenate([np.asarray(tok.encode(p), dtype=np.int64)
+                                   for p in split_text(text)]))
+    return out
+
+
+def tokenize_item(item: Item) -> tuple[np.ndarray, int, int]:
+    """(tokens, UTF-8 bytes of text, documents ended) of one item, in the worker."""
+    tok, sep = _WORKER["tok"], _WORKER["sep"]
+    docs = read_item(item, _WORKER["field"])
+    parts, ended = [], 0
+    for arr in _encode(tok, docs):
+        parts.append(arr)
+        if item.kind != "text" or item.ends_doc:
+            parts.append(sep)
+            ended += 1
+    nbytes = sum(len(d) if isinstance(d, bytes) else len(d.encode("utf-8")) for d in docs)
+    out = np.concatenate(parts).astype(_WORKER["dtype"]) if parts else \
+        np.zeros(0, _WORKER["dtype"])
+    return out, nbytes, ended
+
+
+def tokenize_items(items: Sequence[Item], tok: Tokenizer, text_field: str, workers: int
+                   ) -> Iterator[tuple[np.ndarray, int, int]]:
+    """tokenize_item over items, results in input order, at most 2 × workers in flight.
+    Workers load the tokenizer from its spec (`describe()["spec"]`)."""
+    if workers <= 0:
+        _init_worker(tok, text_field)
+        yield from map(tokenize_item, items)
+        return
+    ctx = mp.get_context("spawn")  # no forked copies of a parent's threads or tensors
+    spec = tok.describe()["spec"]
+    with ctx.Pool(workers, _init_worker, (spec, text_field)) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.apply_async(tokenize_item, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class ShardWriter:
+    """Appends tokens to fixed-size shard files, hashing them on the way."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.dtype, self.cap = folder, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._file = None
+        self._count = 0
+        self._hash = hashlib.sha256()
+
+    def add(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._file is None:
+                name = f"shard_{len(self.shards):05d}.bin"
+                self._file = open(self.folder / name, "wb")  # noqa: SIM115 (closed in _finish)
+                self._name, self._count, self._hash = name, 0, hashlib.sha256()
+            take = tokens[:self.cap - self._count]
+            data = np.ascontiguousarray(take, dtype=self.dtype).tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += len(take)
+            tokens = tokens[len(take):]
+            if self._count == self.cap:
+                self._finish()
+
+    def _finish(self) -> None:
+        assert self._file is not None
+        self._file.close()
+        self.shards.append({"file": self._name, "tokens": self._count,
+                            "sha256": self._hash.hexdigest()})
+        self._file = None
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._file is not None:
+            self._finish()
+        return self.shards
+
+
+def prepare(sources: Sequence[str | Path], tokenizer: str | Tokenizer, out_dir: str | Path, *,
+            text_field: str = "text", shard_tokens: int = 1 << 27, workers: int | None = None,
+            chunk_bytes: int = 1 << 20, overwrite: bool = False) -> dict[str, Any]:
+    """Tokenize `sources` into shards under `out_dir`; returns the manifest.
+    `workers`: tokenizing processes (0 = this process; default: none for bytes, else
+    the CPU count, at most 4)."""
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    out = Path(out_dir).expanduser()
+    if out.exists() and not overwrite:
+        raise DataError(f"output '{out}' exists; remove it or choose another output folder")
+    inv = inventory(sources)
+    items = plan_items(inv, chunk_bytes)
+    if workers is None:  # bytes tokenize at disk speed: a pool would only add copies
+        workers = 0 if hasattr(tok, "encode_bytes") else min(4, os.cpu_count() or 1)
+    dtype = token_dtype(tok.vocab_size)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    writer = ShardWriter(tmp, dtype, shard_tokens)
+    text_bytes = docs = 0
+    for tokens, nbytes, ended in tokenize_items(items, tok, text_field, min(workers, len(items))):
+        writer.add(tokens)
+        text_bytes, docs = text_bytes + nbytes, docs + ended
+    shards = writer.close()
+    manifest = {"format": FORMAT, "version": 1, "tokenizer": tok.describe(),
+                "vocab_size": tok.vocab_size, "dtype": dtype.name, "separator": separator(tok),
+                "tokens": sum(s["tokens"] for s in shards), "documents": docs,
+                "text_bytes": text_bytes, "shards": shards,
+                "sources": inv.summary([str(s) for s in sources])}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return manifest

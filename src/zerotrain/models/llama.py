@@ -1,0 +1,176 @@
+"""A Llama-family decoder: what changed in decoders after GPT-2, in one small file.
+
+token embedding -> n_layer x [RMSNorm -> grouped-query attention with rotary positions -> +,
+RMSNorm -> SwiGLU MLP -> +] -> RMSNorm -> linear head (untied by default). No biases,
+no learned positions. The layout follows Hugging Face's `LlamaForCausalLM` (rotary on
+the two halves of each head, not interleaved pairs) so export is a renaming, no
+permutation. As in the GPT, the loss is computed in FP32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from zerotrain.config import ConfigError, ModelConfig
+from zerotrain.models.plan import Plan, plan_from
+from zerotrain.models.presets import resolve_model_config
+from zerotrain.models.sampling import generate
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * gain. No mean subtraction, no bias; computed in FP32 because a mean
+    of squares overflows/underflows in 16-bit formats."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(T: int, head_dim: int, theta: float, device: torch.device
+                ) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (T, head_dim): position t turns channel pair (i, i + head_dim/2)
+    by t / theta^(2i/head_dim). Recomputed per forward (cheap), so no buffer needs care
+    on the meta device or in checkpoints."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / theta ** exps
+    angles = torch.outer(torch.arange(T, device=device).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, H, T, hd) queries or keys by their position: a rotation, so q·k depends
+    only on the distance between the two positions."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_head query heads share n_kv_head key/value heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.n_embd and cfg.n_head and cfg.n_kv_head
+        self.n_head, self.n_kv = cfg.n_head, cfg.n_kv_head
+        self.hd = cfg.n_embd // cfg.n_head
+        d, b = cfg.n_embd, bool(cfg.bias)
+        self.q = nn.Linear(d, self.n_head * self.hd, bias=b)
+        self.k = nn.Linear(d, self.n_kv * self.hd, bias=b)
+        self.v = nn.Linear(d, self.n_kv * self.hd, bias=b)
+        self.o = nn.Linear(self.n_head * self.hd, d, bias=b)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv < self.n_head:  # query head h reads key/value head h // group
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): a gated MLP, three matrices instead of two."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.n_embd and cfg.intermediate_size
+        d, h, b = cfg.n_embd, cfg.intermediate_size, bool(cfg.bias)
+        self.gate = nn.Linear(d, h, bias=b)
+        self.up = nn.Linear(d, h, bias=b)
+        self.down = nn.Linear(h, d, bias=b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.n_embd
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg = resolve_model_config(cfg)
+        if cfg.arch != "llama":
+            raise ConfigError(f"Llama needs model.arch llama, got {cfg.arch}")
+        assert cfg.n_embd and cfg.n_layer and cfg.n_head
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.embed.weight
+        self.apply(self._init)
+        # as in the GPT: residual projections scaled so the residual stream's variance stays flat
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.o.weight", "mlp.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Logits (B, T, V), or the mean FP32 cross-entropy when targets are given."""
+        T = idx.shape[1]
+        if self.cfg.block_size < T:
+            raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
+        assert self.cfg.n_embd and self.cfg.n_head
+        cos, sin = rope_tables(T, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta,
+                               idx.device)
+        x = self.drop(self.embed(idx))
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None) -> Tensor:
+        return generate(self, idx, max_new_tokens, self.cfg.block_size, temperature, top_k,
+                        generator)
+
+
+def plan(model: Llama) -> Plan:
+    """The blocks are the ZeRO-3 units; the embedding and the (untied) head are the edge."""
+    return plan_from(model, list(model.blocks), [model.embed, model.head])

@@ -1,0 +1,31 @@
+"""Sampling text from any causal LM zerotrain builds (its own families or a wrapped HF model).
+
+The model is called on the last `block_size` tokens and must return logits (B, T, V).
+`vocab_limit` masks ids the tokenizer cannot decode (a model vocabulary padded past the
+tokenizer's, or bytes past 255).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: Tensor, max_new_tokens: int, block_size: int,
+             temperature: float = 0.8, top_k: int | None = 50,
+             generator: torch.Generator | None = None,
+             vocab_limit: int | None = None) -> Tensor:
+    """Append `max_new_tokens` sampled tokens to `idx` (B, T); returns (B, T + new)."""
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -block_size:])[:, -1, :].float()
+        if vocab_limit is not None and vocab_limit < logits.size(-1):
+            logits[:, vocab_limit:] = -float("inf")
+        logits = logits / max(temperature, 1e-6)
+        if top_k:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
