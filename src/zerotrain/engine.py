@@ -98,6 +98,7 @@ class Engine(DeepSpeedAPI):
         self.global_step = 0
         self.last_info: StepInfo | None = None
         self._no_sync = False
+        self.extra_meta: dict[str, Any] = {}  # saved with checkpoints (e.g. the tokenizer)
         self.spike_guard = SpikeGuard(config.train.spike_guard) \
             if config.train.spike_guard.enabled else None
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses
@@ -209,7 +210,7 @@ class Engine(DeepSpeedAPI):
                      "rank_layout": self.strategy.rank_layout(),
                      "aliases": aliases(self.module),
                      "optimizer": self.config.optimizer.name,
-                     "config": self.config.to_dict()},
+                     "config": self.config.to_dict(), "extra": self.extra_meta},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

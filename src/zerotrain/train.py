@@ -21,11 +21,13 @@ import torch
 from zerotrain.checkpoint import CheckpointError
 from zerotrain.comm.dist import DistInfo, barrier, init_distributed
 from zerotrain.config import Config
-from zerotrain.data.corpus import DataError, decode, encode, load_tokens, train_val_split
+from zerotrain.data.dataset import cached_shards, load_splits, needs_shards, resolve_tokenizer
 from zerotrain.data.sampler import WindowSampler, eval_batches
+from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.lifecycle import Interrupted, Preemption, maybe_inject_fault, restart_count
-from zerotrain.models.gpt import GPT
+from zerotrain.models import build_model, pretrained_weights, resolve_model_config
+from zerotrain.models.sampling import generate
 from zerotrain.report import Reporter, uniform_baseline
 from zerotrain.run_dir import (
     checkpoint_root,
@@ -47,8 +49,11 @@ def _threads(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // local)
 
 
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 @torch.no_grad()
-def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(engine: Engine, batches: Batches) -> float:
     """Mean validation loss over every rank's share of the fixed validation windows."""
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
@@ -60,15 +65,26 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
     return float(total[0] / total[1])
 
 
+def val_bytes_per_token(engine: Engine, batches: Batches, tok: Tokenizer) -> float:
+    """Text bytes per target token of the validation set (for bits per byte)."""
+    lengths = torch.from_numpy(token_byte_lengths(tok).astype("float64"))
+    local = [sum(float(lengths[y].sum()) for _, y in batches),
+             float(sum(y.numel() for _, y in batches))]
+    total = engine.comm.all_reduce_scalars(local)
+    return float(total[0] / total[1])
+
+
 @torch.no_grad()
-def generate_text(engine: Engine, prompt: str, n_tokens: int, seed: int) -> str:
+def generate_text(engine: Engine, tok: Tokenizer, prompt: str, n_tokens: int,
+                  seed: int) -> str:
     """Every rank generates with the same seed (ZeRO-3 needs all ranks in each forward)."""
     engine.eval()
     g = torch.Generator(device=engine.device).manual_seed(seed)
-    idx = torch.from_numpy(encode(prompt).astype("int64"))[None].to(engine.device)
-    out = engine.module.generate(idx, n_tokens, generator=g)
+    idx = torch.tensor([tok.encode(prompt) or [0]], dtype=torch.long, device=engine.device)
+    out = generate(engine.module, idx, n_tokens, engine.config.model.block_size, generator=g,
+                   vocab_limit=tok.vocab_size)
     engine.train()
-    return decode(out[0].tolist())
+    return tok.decode(out[0].tolist())
 
 
 @dataclass
@@ -84,6 +100,9 @@ class Run:
     ckpt_root: Path
     report: Reporter
     resumed: bool
+    tokenizer: Tokenizer
+
+    val_bpt: float = 1.0  # text bytes per validation target token
 
     @property
     def global_tokens(self) -> int:
@@ -102,23 +121,54 @@ class Run:
         return path
 
 
-def load_data(cfg: Config, rank: int, world: int
-              ) -> tuple[WindowSampler, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The training sampler and this rank's validation batches (data errors raise here)."""
-    tokens = load_tokens(cfg.data.path)
-    if int(tokens.max()) >= cfg.model.vocab_size:
-        raise DataError(f"data holds token id {int(tokens.max())} but model.vocab_size is "
-                        f"{cfg.model.vocab_size}; raise model.vocab_size")
-    train_tok, val_tok = train_val_split(tokens, cfg.data.val_fraction)
-    T, mbs = cfg.model.block_size, cfg.data.micro_batch_size
-    sampler = WindowSampler(train_tok, T, cfg.train.seed)
-    return sampler, eval_batches(val_tok, T, rank, world, mbs, cfg.logging.eval_batches)
+@dataclass
+class Data:
+    cfg: Config              # with the model's sizes resolved (preset, tokenizer, model.hf)
+    tokenizer: Tokenizer
+    sampler: WindowSampler
+    val_set: Batches
+
+
+def load_data(cfg: Config, rank: int, world: int) -> Data:
+    """Tokenizer, training sampler and this rank's validation batches; data errors raise
+    here. A `bpe:N` tokenizer and the token shards of text inputs are made once, by rank
+    0, in the run folder, and reused by the other ranks and by resumed runs."""
+    d, run_dir = cfg.data, Path(cfg.logging.run_dir)
+    tok, path = None, d.path
+    for turn in (0, 1):  # rank 0 makes what is missing, then the others read it
+        if (rank == 0) == (turn == 0):
+            tok = resolve_tokenizer(d.tokenizer, d.path, run_dir, d.text_field)
+            if needs_shards(d.path, tok):
+                path = cached_shards(d.path, tok, run_dir, d.text_field)
+        barrier()
+    assert tok is not None
+    model_cfg = resolve_model_config(cfg.model, tokenizer_vocab=tok.vocab_size)
+    cfg = cfg.model_copy(update={"model": model_cfg})
+    train_src, val_src = load_splits(path, tok, d.val_fraction, d.text_field)
+    T = model_cfg.block_size
+    sampler = WindowSampler(train_src, T, cfg.train.seed)
+    val = eval_batches(val_src, T, rank, world, d.micro_batch_size, cfg.logging.eval_batches)
+    return Data(cfg, tok, sampler, val)
 
 
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
     """What the launcher checks before starting ranks: the run folder and the data."""
     resolve_resume(cfg, resume)
     load_data(cfg, 0, world)
+
+
+def build(cfg: Config, device: torch.device) -> Engine:
+    """The model of `model:` under the engine, with its pretrained weights if it has any
+    (each rank reads only the slices it keeps)."""
+    model = build_model(cfg.model)
+    engine = Engine(model, cfg, device)
+    weights = pretrained_weights(cfg.model, model)
+    if weights is not None:
+        engine.load_weights(weights.read_slice)
+        weights.close()
+    engine.extra_meta.update(built_from_config=True,
+                             hf_config=getattr(model, "hf_config", None))
+    return engine
 
 
 def setup(cfg: Config, resume: str | None) -> Run:
@@ -128,8 +178,10 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if restart_count() > 0:  # restarted by the elastic agent: continue from the latest
         resume = "auto"
     src = resolve_resume(cfg, resume)  # the run folder's rules, before the model exists
-    sampler, val_set = load_data(cfg, info.rank, info.world_size)
-    engine = Engine(GPT(cfg.model), cfg, info.device)
+    data = load_data(cfg, info.rank, info.world_size)
+    cfg = data.cfg
+    engine = build(cfg, info.device)
+    engine.extra_meta["tokenizer"] = data.tokenizer.describe()
     engine.run_id = new_run_id()
     run_dir = Path(cfg.logging.run_dir)
     lines = _resume(engine, src, cfg) if src is not None else []
@@ -141,10 +193,12 @@ def setup(cfg: Config, resume: str | None) -> Run:
                       engine.global_step if src is not None else None)
     for line in lines:
         report.say(line)
+    run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
+              report, src is not None, data.tokenizer)
+    run.val_bpt = val_bytes_per_token(engine, data.val_set, data.tokenizer)
     if info.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    return Run(cfg, info, engine, sampler, val_set, run_dir, checkpoint_root(cfg), report,
-               src is not None)
+    return run
 
 
 def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
@@ -235,6 +289,13 @@ class _Watch:
             raise Interrupted(step, str(path))
 
 
+def _validate(run: Run, step: int) -> float:
+    v = evaluate(run.engine, run.val_set)
+    run.report.record({"type": "val", "step": step, "val_loss": v,
+                       "val_bits_per_byte": bits_per_byte(v, run.val_bpt)})
+    return v
+
+
 def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
     run = setup(cfg, resume)
     eng, report = run.engine, run.report
@@ -247,8 +308,7 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
     _start_lines(run)
     first_val = None
     if eng.global_step == 0 and cfg.logging.eval_every:
-        first_val = evaluate(eng, run.val_set)
-        report.record({"type": "val", "step": 0, "val_loss": first_val})
+        first_val = _validate(run, 0)
     t_start = time.perf_counter()
     steps_run, loss_avg = 0, float("nan")
     with Preemption() as preemption:
@@ -263,9 +323,9 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
             watch.after_step(sinfo)
             if cfg.logging.eval_every and last % cfg.logging.eval_every == 0 \
                     and last != cfg.train.steps:
-                v = evaluate(eng, run.val_set)
-                report.record({"type": "val", "step": last, "val_loss": v})
-                report.say(f"step {last}: validation loss {v:.4f}")
+                v = _validate(run, last)
+                report.say(f"step {last}: validation loss {v:.4f}, "
+                           f"{bits_per_byte(v, run.val_bpt):.4f} bits/byte")
             if cfg.checkpoint.every and last % cfg.checkpoint.every == 0 \
                     and last != cfg.train.steps:
                 report.say(f"[zerotrain] step {last}: checkpoint {run.save()}")
@@ -277,15 +337,16 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
 def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
             elapsed: float) -> dict[str, Any]:
     cfg, eng, report = run.cfg, run.engine, run.report
-    final_val = evaluate(eng, run.val_set)
-    report.record({"type": "val", "step": eng.global_step, "val_loss": final_val})
+    final_val = _validate(run, eng.global_step)
     ckpt = run.save()
     sample = ""
     if cfg.logging.sample_tokens:
-        sample = generate_text(eng, "def ", cfg.logging.sample_tokens, cfg.train.seed)
+        sample = generate_text(eng, run.tokenizer, "def ", cfg.logging.sample_tokens,
+                               cfg.train.seed)
     summary = {
         "type": "summary", "step": eng.global_step, "steps_run": steps_run,
         "first_val_loss": first_val, "final_val_loss": final_val, "final_train_loss": loss_avg,
+        "final_val_bits_per_byte": bits_per_byte(final_val, run.val_bpt),
         "seconds": elapsed,
         "tokens_per_s": steps_run * run.global_tokens / max(elapsed, 1e-9),
         "skipped_steps": eng.last_info.skipped_total if eng.last_info else 0,
@@ -301,7 +362,8 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
         report.say("\n----- sample -----\n" + sample + "\n------------------")
     fv = f"{first_val:.4f} -> " if first_val is not None else ""
     report.say(f"[zerotrain] validation loss {fv}{final_val:.4f} ({label.split(' (')[0]} = "
-               f"{baseline:.4f}); {steps_run} steps in {elapsed:.1f}s; checkpoint {ckpt}; "
+               f"{baseline:.4f}), {bits_per_byte(final_val, run.val_bpt):.4f} bits/byte; "
+               f"{steps_run} steps in {elapsed:.1f}s; checkpoint {ckpt}; "
                f"metrics {run.run_dir / 'metrics.jsonl'}")
     report.close()
     barrier()

@@ -11,7 +11,6 @@ sampling (read everything), without the model.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from zerotrain.checkpoint.io import (
     resolve,
     verify,
 )
+from zerotrain.config import ModelConfig
+from zerotrain.models import EXPORT_FORMAT, export_metadata
 
 SCALAR_STATES = ("step",)  # every other optimizer state is elementwise
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1}
@@ -165,11 +166,15 @@ def export(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32
                               f"'{out / 'model.safetensors'}'")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    model = meta.get("config", {}).get("model", {})
+    extra = meta.get("extra", {})
+    if extra.get("built_from_config"):  # a model zerotrain built: the file describes it
+        cfg = ModelConfig.model_validate(meta["config"]["model"])
+        metadata = export_metadata(cfg, extra.get("hf_config"), step=meta["global_step"])
+    else:  # a user's own nn.Module: only its weights are known here
+        metadata = {"format": EXPORT_FORMAT, "step": str(meta["global_step"])}
     try:
         save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(tmp),
-                  metadata={"step": str(meta["global_step"]), "format": "zerotrain-export",
-                            "model": json.dumps(model)})
+                  metadata=metadata)
         tmp.replace(out)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -81,6 +81,7 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
         raise CheckpointError(f"client_state must be JSON-serialisable: {e}") from None
     meta = {"config": meta_in["config"], "layout": meta_in["layout"],
             "aliases": meta_in["aliases"], "optimizer": meta_in["optimizer"],
+            "extra": meta_in.get("extra", {}),
             "scaler": state["scaler"], **state["counters"], "run_id": run_id,
             "client_state": client_state}
     return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name)

@@ -29,9 +29,11 @@ def _table(group: str, rows: dict[str, tuple[str, str]]) -> dict[str, Command]:
 
 COMMANDS: dict[str, Command] = {
     **_table("Train and use a model:", {
-        "train": ("train.main_train", "train the reference GPT (one process, or --nproc N)"),
-        "config": ("config.main_config", "show the config a run would use, fully resolved"),
-        "prepare": ("prepare.main_prepare", "turn text into a token file (.bin) for --data.path"),
+        "train": ("train.main_train", "train a model (one process, or --nproc N ranks)"),
+        "config": ("config.main_config", "show the config a run would use, fully resolved; "
+                   "read a DeepSpeed config"),
+        "prepare": ("prepare.main_prepare", "turn text into token shards for --data.path"),
+        "tokenizer": ("tokenizer.main_tokenizer", "train a byte-level BPE tokenizer"),
         "sample": ("sample.main_sample", "generate text from a checkpoint"),
         "export": ("export.main_export", "write a checkpoint's weights as one safetensors file"),
     }),

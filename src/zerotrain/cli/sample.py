@@ -1,4 +1,5 @@
-"""`zerotrain sample`: continue a prompt with the GPT stored in a checkpoint."""
+"""`zerotrain sample`: continue a prompt with the model stored in a checkpoint (any
+family: the reference GPT, llama, or a Hugging Face model), through its tokenizer."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from zerotrain.cli.args import Parser, UsageError, command, finite_float
 
 
 def _parser() -> Parser:
-    p = Parser("sample", "Generate text from a checkpoint of the reference GPT (any stage "
-               "or world size: the shards are consolidated first).")
+    p = Parser("sample", "Generate text from a training checkpoint (any model family, stage "
+               "or world size: the shards are consolidated first), encoding the prompt and "
+               "decoding the output with the run's tokenizer.")
     p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
                    help="checkpoint root (follows 'latest'), one step_* folder, or the run "
                    "folder holding checkpoints/")
@@ -45,22 +47,29 @@ def main_sample(argv: list[str]) -> int:
     import torch
 
     from zerotrain.checkpoint import full_state_dict
-    from zerotrain.config import build_config
-    from zerotrain.data.corpus import decode, encode
-    from zerotrain.models.gpt import GPT
+    from zerotrain.config import ModelConfig
+    from zerotrain.data.tokenizer import load_tokenizer
+    from zerotrain.models import build_model
+    from zerotrain.models.sampling import generate
 
-    ckpt = path
-    sd, meta = full_state_dict(ckpt)
-    model = GPT(build_config(meta["config"]).model)
+    sd, meta = full_state_dict(path)
+    extra = meta.get("extra", {})
+    cfg = ModelConfig.model_validate(meta["config"]["model"])
+    model = build_model(cfg, hf_config=extra.get("hf_config"))
     try:
         model.load_state_dict(sd)
     except RuntimeError as e:  # e.g. a checkpoint of a user's own model (library mode)
         first = str(e).strip().splitlines()[0]
-        raise UsageError(f"'{ckpt}' does not hold the reference GPT its config describes "
-                         f"({first}); sample runs zerotrain's own GPT only") from None
+        raise UsageError(f"'{path}' does not hold the model its config describes ({first}); "
+                         "sample runs the models zerotrain builds (model.arch / model.hf)"
+                         ) from None
+    tok = load_tokenizer(extra.get("tokenizer", {}).get("spec", "bytes"))
     model.eval()
-    idx = torch.from_numpy(encode(a.prompt).astype("int64"))[None]
+    ids = tok.encode(a.prompt)
+    if not ids:
+        raise UsageError(f"--prompt {a.prompt!r} encodes to no tokens")
     g = torch.Generator().manual_seed(a.seed)
-    out = model.generate(idx, a.tokens, temperature=a.temperature, top_k=a.top_k, generator=g)
-    print(decode(out[0].tolist()))
+    out = generate(model, torch.tensor([ids]), a.tokens, cfg.block_size, a.temperature,
+                   a.top_k, generator=g, vocab_limit=tok.vocab_size)
+    print(tok.decode(out[0].tolist()))
     return 0

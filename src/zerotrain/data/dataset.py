@@ -90,6 +90,15 @@ def load_splits(path: str | Path | None, tok: Tokenizer, val_fraction: float,
     return train_val_split(tokens, val_fraction)
 
 
+def needs_shards(path: str | Path | None, tok: Tokenizer) -> bool:
+    """Whether training reads `path` through token shards made once in the run folder:
+    everything but bytes of the embedded corpus or a `.bin`, and shards already made."""
+    if path is not None and is_shard_folder(path):
+        return False
+    legacy = path is None or Path(path).suffix == ".bin"
+    return not (isinstance(tok, ByteTokenizer) and legacy)
+
+
 def cached_shards(path: str | Path | None, tok: Tokenizer, cache_dir: str | Path,
                   text_field: str = "text") -> Path:
     """Token shards of data.path (or the embedded corpus) under `cache_dir/tokens`,

@@ -1,0 +1,43 @@
+"""`zerotrain tokenizer train`: a byte-level BPE trained offline with Hugging Face
+`tokenizers`, for `data.tokenizer` and `prepare --tokenizer`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerotrain.cli.args import Parser, UsageError, command
+
+
+def _parser() -> Parser:
+    p = Parser("tokenizer", "Train tokenizers.")
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    t = sub.add_parser(
+        "train", prog="zerotrain tokenizer train", formatter_class=p.formatter_class,
+        help="train a byte-level BPE on text, offline",
+        description="Train a byte-level BPE (with an <|endoftext|> token) on text files, "
+        "folders, .jsonl or .parquet, streaming the text; seconds for tens of MB.",
+        usage="zerotrain tokenizer train SOURCE... --vocab N --out TOKENIZER.json")
+    t.add_argument("sources", nargs="+", metavar="SOURCE", help="text to learn from")
+    t.add_argument("--vocab", type=int, required=True, metavar="N",
+                   help="vocabulary size (>= 258: 256 bytes, end-of-text, merges)")
+    t.add_argument("--out", required=True, metavar="FILE", help="output tokenizer.json")
+    t.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the text column of .jsonl and .parquet inputs")
+    return p
+
+
+@command("tokenizer")
+def main_tokenizer(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    if a.vocab < 258:
+        raise UsageError(f"--vocab must be >= 258 (256 bytes + end-of-text + merges), "
+                         f"got {a.vocab}")
+    for src in a.sources:
+        if not Path(src).expanduser().exists():
+            raise UsageError(f"SOURCE '{src}' does not exist")
+    from zerotrain.data.sources import iter_texts
+    from zerotrain.data.tokenizer import train_bpe
+
+    tok = train_bpe(iter_texts(a.sources, a.text_field), a.vocab, a.out)
+    print(f"wrote {a.out}: byte-level BPE, {tok.vocab_size:,} tokens")
+    return 0
