@@ -177,6 +177,14 @@ class DataConfig(_Section):
     micro_batch_size: int = Field(16, ge=1, description="sequences per rank per micro-step")
     grad_accum_steps: int = Field(1, ge=1)
 
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and not str(v).strip():  # '' would read the current directory
+            raise ValueError("data.path is empty; give a file or folder, or null for the "
+                             "embedded corpus")
+        return v
+
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_spec(cls, v: str) -> str:

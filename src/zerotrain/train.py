@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from zerotrain.checkpoint import CheckpointError
-from zerotrain.comm.dist import DistInfo, barrier, init_distributed
+from zerotrain.comm.dist import DistInfo, barrier, init_distributed, pick_device
 from zerotrain.config import Config
 from zerotrain.data.dataset import cached_shards, load_splits, needs_shards, resolve_tokenizer
+from zerotrain.data.errors import DataError
 from zerotrain.data.sampler import WindowSampler, eval_batches
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
 from zerotrain.engine import Engine, StepInfo
@@ -134,6 +135,9 @@ def load_data(cfg: Config, rank: int, world: int) -> Data:
     here. A `bpe:N` tokenizer and the token shards of text inputs are made once, by rank
     0, in the run folder, and reused by the other ranks and by resumed runs."""
     d, run_dir = cfg.data, Path(cfg.logging.run_dir)
+    if d.path is not None and not Path(d.path).expanduser().exists():
+        raise DataError(f"data.path '{d.path}' does not exist; pass a text file, a folder, "
+                        ".jsonl/.parquet, token shards or a .bin from `zerotrain prepare`")
     tok, path = None, d.path
     for turn in (0, 1):  # rank 0 makes what is missing, then the others read it
         if (rank == 0) == (turn == 0):
@@ -152,7 +156,8 @@ def load_data(cfg: Config, rank: int, world: int) -> Data:
 
 
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
-    """What the launcher checks before starting ranks: the run folder and the data."""
+    """What the launcher checks before starting ranks: devices, run folder and data."""
+    pick_device(cfg.train.device, 0, local_world=world)
     resolve_resume(cfg, resume)
     load_data(cfg, 0, world)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zerotrain.config import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -27,11 +29,21 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def pick_device(kind: str = "auto", local_rank: int = 0) -> torch.device:
+def pick_device(kind: str = "auto", local_rank: int = 0,
+                local_world: int | None = None) -> torch.device:
+    """This rank's device: one GPU per local rank (never two ranks on one GPU: NCCL
+    refuses that), or the CPU."""
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device is 'cuda' but no CUDA device is visible; use 'cpu'")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            raise ConfigError("train.device is 'cuda' but no CUDA device is visible; use "
+                              "--train.device cpu")
+        local = local_world if local_world is not None else int(
+            os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local > gpus:
+            raise ConfigError(f"{local} local ranks but {gpus} visible GPU(s); use --nproc "
+                              f"<= {gpus}, or --train.device cpu")
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -39,7 +51,8 @@ def pick_backend(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if requested == "nccl" and device.type != "cuda":
-        raise RuntimeError("comm.backend 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on CPU")
+        raise ConfigError("comm.backend 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on "
+                          "CPU")
     return requested
 
 

@@ -34,7 +34,7 @@ def as_windows(tokens, seq_len: int) -> WindowSource:
 
 
 class WindowSampler:
-    def __init__(self, tokens, seq_len: int, seed: int):
+    def __init__(self, tokens, seq_len: int, seed: int, split: str = "training"):
         self.tokens = tokens
         self.source = as_windows(tokens, seq_len)
         self.seq_len = seq_len
@@ -42,9 +42,11 @@ class WindowSampler:
         self.n_windows = self.source.n
         if self.n_windows < 1:
             size = f"{len(tokens)} tokens" if hasattr(tokens, "__len__") else "too few tokens"
+            fix = ("raise data.val_fraction, " if split == "validation"
+                   else "lower data.val_fraction, ")
             raise DataError(
-                f"data has {size}, fewer than one window of model.block_size+1 = "
-                f"{seq_len + 1}; give more text or a smaller model.block_size"
+                f"the {split} split has {size}, fewer than one window of model.block_size+1 "
+                f"= {seq_len + 1}; {fix}give more text or a smaller model.block_size"
             )
         self._perms: dict[int, np.ndarray] = {}
 
@@ -98,7 +100,7 @@ def eval_batches(tokens, seq_len: int, rank: int, world: int, micro_bs: int,
     Every rank gets the same number of batches: under ZeRO-3 each forward is a
     collective, so uneven counts would leave one rank waiting forever.
     """
-    s = WindowSampler(tokens, seq_len, seed)
+    s = WindowSampler(tokens, seq_len, seed, split="validation")
     total = min(s.n_windows, n_batches * micro_bs * world)
     total -= total % world
     if total == 0:
