@@ -30,6 +30,10 @@ CASES = [  # every stage with both collective algorithms; accumulation, overlap,
     {"zero": {"stage": 3, "prefetch": False, "overlap": False}, **RING},
     {"zero": {"stage": 2, "offload_optimizer": "cpu"}},
     {"zero": {"stage": 3, "offload_optimizer": "cpu"}, **ACCUM},
+    # built on the meta device: initialised unit by unit, equal to the eager model
+    {"meta": True, "zero": {"stage": 0}, **ACCUM},
+    {"meta": True, "zero": {"stage": 2}, **ACCUM},
+    {"meta": True, "zero": {"stage": 3, "offload_optimizer": "cpu"}, **ACCUM},
 ]
 FP32_TOL = 1e-5
 
@@ -50,19 +54,43 @@ def _accum(case: dict) -> int:
     return case.get("data", {}).get("grad_accum_steps", 1)
 
 
+def case_id(case: dict) -> str:
+    """A readable pytest id: stage, offload, algorithm, accumulation, overlap, meta."""
+    z = case["zero"]
+    parts = [f"z{z['stage']}"]
+    parts += ["off"] if z.get("offload_optimizer") == "cpu" else []
+    parts += [case.get("comm", {}).get("algorithm", "native")]
+    parts += [f"acc{_accum(case)}"] if _accum(case) > 1 else []
+    parts += ["sync"] if z.get("overlap") is False else []
+    parts += ["noprefetch"] if z.get("prefetch") is False else []
+    parts += ["meta"] if case.get("meta") else []
+    return "-".join(parts)
+
+
+EACH = pytest.mark.parametrize("i", range(len(CASES)), ids=[case_id(c) for c in CASES])
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_stages_match_single_process(world):
-    for case, res in zip(CASES, results(world)[0]):
-        ref = reference(_accum(case))
-        err = rel_err(res["params"], ref["params"])
-        assert err < FP32_TOL, f"{case} at N={world}: relative error {err:.2e}"
-        # every rank holds identical parameters afterwards
-    if world > 1:
-        for case_i in range(len(CASES)):
-            p0 = results(world)[0][case_i]["params"]
-            for r in range(1, world):
-                pr = results(world)[r][case_i]["params"]
-                assert all(torch.equal(p0[k], pr[k]) for k in p0), f"rank {r} diverged"
+@EACH
+def test_stage_matches_single_process(world, i):
+    case, res = CASES[i], results(world)[0][i]
+    ref = reference(_accum(case))
+    err = rel_err(res["params"], ref["params"])
+    assert err < FP32_TOL, f"{case} at N={world}: relative error {err:.2e}"
+    for r in range(1, world):  # every rank holds identical parameters afterwards
+        pr = results(world)[r][i]["params"]
+        assert all(torch.equal(res["params"][k], pr[k]) for k in pr), f"rank {r} diverged"
+
+
+def test_meta_init_equals_eager_init_bit_for_bit():
+    """The meta-device model, initialised unit by unit, trains exactly like the eager one."""
+    for world in (1, 2):
+        by_id = {case_id(c): r for c, r in zip(CASES, results(world)[0])}
+        metas = [k for k in by_id if k.endswith("-meta")]
+        assert len(metas) == 3
+        for meta in metas:
+            a, b = by_id[meta.removesuffix("-meta")]["params"], by_id[meta]["params"]
+            assert all(torch.equal(a[k], b[k]) for k in a), (world, meta)
 
 
 def test_reference_really_trains():
@@ -77,45 +105,47 @@ def _bytes_per_param(case: dict) -> dict:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_memory_audit_matches_formulas(world):
-    for case, res in zip(CASES, results(world)[0]):
-        stage = case["zero"]["stage"]
-        offload = case["zero"].get("offload_optimizer") == "cpu"
-        est = model_state_bytes_from_buffers(res["buffer_numels"], world, stage,
-                                             offload=offload, pad_full=True,
-                                             **_bytes_per_param(case))
-        # flat buffers are padded to a multiple of N; the audit sees that padding
-        pad = sum(-(-n // world) * world - n for n in res["buffer_numels"]) * 4
-        for place in ("device", "host"):
-            for cat, want in getattr(est, place).items():
-                got = res["memory"][place][cat]
-                # optimizer states cover real elements only, never the padding
-                slack = 2 * pad if cat == "optimizer" else pad
-                assert abs(got - want) <= slack, (
-                    f"{case} N={world} {place}.{cat}: measured {got}, formula {want}")
+@EACH
+def test_memory_audit_matches_formulas(world, i):
+    case, res = CASES[i], results(world)[0][i]
+    stage = case["zero"]["stage"]
+    offload = case["zero"].get("offload_optimizer") == "cpu"
+    est = model_state_bytes_from_buffers(res["buffer_numels"], world, stage,
+                                         offload=offload, pad_full=True,
+                                         **_bytes_per_param(case))
+    # flat buffers are padded to a multiple of N; the audit sees that padding
+    pad = sum(-(-n // world) * world - n for n in res["buffer_numels"]) * 4
+    for place in ("device", "host"):
+        for cat, want in getattr(est, place).items():
+            got = res["memory"][place][cat]
+            # optimizer states cover real elements only, never the padding
+            slack = 2 * pad if cat == "optimizer" else pad
+            assert abs(got - want) <= slack, (
+                f"{case} N={world} {place}.{cat}: measured {got}, formula {want}")
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_traffic_matches_model(world):
-    for case, res in zip(CASES, results(world)[0]):
-        stage = case["zero"]["stage"]
-        accum = _accum(case)
-        model = traffic_per_step(res["buffer_numels"], world, stage, param_bytes=4,
-                                 grad_bytes=4)
-        want = model.sent_bytes
-        if stage >= 2 and accum > 1:  # gradients leave every micro-step, params once
-            grads = sum(c.sent_bytes for c in model.collectives if "grad" in c.what)
-            want += (accum - 1) * grads
-            if stage == 3:  # and ZeRO-3 gathers for every micro-step's forward+backward
-                params = sum(c.sent_bytes for c in model.collectives if "grad" not in c.what)
-                want += (accum - 1) * params
-        got = res["traffic"][-1]
-        psi = res["numel"]
-        assert got == want, f"{case} N={world}: sent {got}, model {want}"
-        # and the headline formula up to padding: 2(N-1)/N·Ψ (3 for ZeRO-3) elements × 4 B
-        factor = (3 if stage == 3 else 2) * (world - 1) / world * psi * 4
-        if accum == 1:
-            assert abs(got - factor) <= 3 * world * 4 * len(res["buffer_numels"])
+@EACH
+def test_traffic_matches_model(world, i):
+    case, res = CASES[i], results(world)[0][i]
+    stage = case["zero"]["stage"]
+    accum = _accum(case)
+    model = traffic_per_step(res["buffer_numels"], world, stage, param_bytes=4,
+                             grad_bytes=4)
+    want = model.sent_bytes
+    if stage >= 2 and accum > 1:  # gradients leave every micro-step, params once
+        grads = sum(c.sent_bytes for c in model.collectives if "grad" in c.what)
+        want += (accum - 1) * grads
+        if stage == 3:  # and ZeRO-3 gathers for every micro-step's forward+backward
+            params = sum(c.sent_bytes for c in model.collectives if "grad" not in c.what)
+            want += (accum - 1) * params
+    got = res["traffic"][-1]
+    psi = res["numel"]
+    assert got == want, f"{case} N={world}: sent {got}, model {want}"
+    # and the headline formula up to padding: 2(N-1)/N·Ψ (3 for ZeRO-3) elements × 4 B
+    factor = (3 if stage == 3 else 2) * (world - 1) / world * psi * 4
+    if accum == 1:
+        assert abs(got - factor) <= 3 * world * 4 * len(res["buffer_numels"])
 
 
 # ----------------------------------------------------------------------------- BF16

@@ -7,6 +7,8 @@ world size can be compared with a single process on the full batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zerotrain.config import build_config, deep_merge
@@ -62,9 +64,12 @@ def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -
     from zerotrain.engine import Engine
 
     rank, n = world()
+    overrides = dict(overrides)
+    meta = overrides.pop("meta", False)  # build on the meta device: the engine initialises
     cfg = make_config(overrides, n, steps)
     torch.manual_seed(seed)
-    model = model_fn() if model_fn else GPT(cfg.model)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = model_fn() if model_fn else GPT(cfg.model)
     eng = Engine(model, cfg, torch.device("cpu"))
     accum = cfg.data.grad_accum_steps
     b = cfg.data.micro_batch_size

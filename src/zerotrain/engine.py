@@ -34,14 +34,18 @@ from zerotrain.comm.dist import init_distributed, launched_by_torchrun, pick_dev
 from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
+from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
 from zerotrain.models import Group, Plan, plan_for
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.numerics.scaler import LossScaler
-from zerotrain.optim import build_optimizer, is_elementwise
+from zerotrain.optim import build_optimizer, is_elementwise, state_bytes_per_param
 from zerotrain.optim.schedule import describe, lr_from_config, schedule_kwargs
 from zerotrain.zero import Strategy, strategy_class
 from zerotrain.zero.state import WeightReader
+
+#: optimizer steps during which each phase's peak memory is measured
+PHASE_STEPS = 2
 
 
 @dataclass
@@ -76,20 +80,27 @@ def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
 
 class Engine(DeepSpeedAPI):
     def __init__(self, model: nn.Module, config: Config, device: torch.device | None = None,
-                 plan: Plan | None = None):
+                 plan: Plan | None = None, weights: WeightReader | None = None):
+        """`model` may live on the meta device: the strategy materialises it unit by unit
+        (ZeRO-3: one unit at a time, keeping only this rank's shard). `weights`: pretrained
+        values, read slice by slice (`read(name, start, stop)`), instead of initial ones."""
         self.config = config
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = device or pick_device(config.train.device, local_rank)
+        self.phases = PhasePeaks(self.device)  # peaks of init, forward, backward, step, save
+        self.phases.begin()
         self.policy = PrecisionPolicy.from_config(config.precision)
         self.comm = Comm(config.comm.algorithm,
                          ring_min_bytes=int(config.comm.ring_min_mb * 2**20))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = device or pick_device(config.train.device, local_rank)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self.plan = plan or plan_for(model)
         self.strategy: Strategy = strategy_class(config.zero)(
             model, self.plan, self.policy, self.comm, config.zero, self.device,
-            keep_shapes=not is_elementwise(config.optimizer.name),
+            keep_shapes=not is_elementwise(config.optimizer.name), skip_init=weights is not None,
         )
+        if weights is not None:
+            self.strategy.load_weights(weights)
         groups = self.strategy.param_groups(group_hyperparameters(config))
         self.optimizer = build_optimizer(config.optimizer, groups)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
@@ -102,12 +113,25 @@ class Engine(DeepSpeedAPI):
         self.spike_guard = SpikeGuard(config.train.spike_guard) \
             if config.train.spike_guard.enabled else None
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses
+        self.phases.end("init")
         self.last_traffic: dict = {}
         self.last_traffic_bytes = (0, 0)
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self._phase("forward"):
+            return self.module(*args, **kwargs)
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Measure the phase's peak memory during the first optimizer steps only (a
+        reset and a read of the process peak each; nothing afterwards)."""
+        if self.global_step >= PHASE_STEPS or (not self.module.training and name == "forward"):
+            yield
+            return
+        self.phases.begin()
+        yield
+        self.phases.end(name)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -134,9 +158,14 @@ class Engine(DeepSpeedAPI):
         if self.spike_guard is not None:  # kept on the device: no sync per micro-step
             d = loss.detach().float()
             self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
-        (loss.float() * factor).backward()
+        with self._phase("backward"):
+            (loss.float() * factor).backward()
 
     def step(self) -> StepInfo | None:
+        with self._phase("step"):
+            return self._step()
+
+    def _step(self) -> StepInfo | None:
         if self._no_sync:
             raise RuntimeError("engine.step() inside no_sync(): leave the block first")
         boundary = self.is_boundary()
@@ -251,9 +280,28 @@ class Engine(DeepSpeedAPI):
             "precision": self.policy.describe(),
             "model_states": self.strategy.memory_breakdown(self.optimizer.state.values()),
             "buffer_numels": self.strategy.buffer_numels(),
+            "phases": self.memory_phases(),
         }
         rep.update(measured_process_memory(self.device))
         return rep
+
+    def memory_phases(self, activations: int = 0) -> dict[str, dict[str, int]]:
+        """Peak memory of each phase seen so far, above the process's memory before the
+        engine existed, next to the memory model's prediction (`memory.phase_estimates`).
+        `activations`: the model's saved activations, when the caller can count them."""
+        s, p = self.strategy, self.policy
+        k = state_bytes_per_param(self.config.optimizer.name, self.config.optimizer.momentum)
+        bpp = BytesPerParam(p.param_dtype.itemsize, p.grad_dtype.itemsize,
+                            p.master_dtype.itemsize if p.master_dtype else 0, k)
+        largest = max((u.numel for u in s.units), default=0)
+        predicted = phase_estimates(
+            s.buffer_numels(), self.world_size, s.stage, bpp, offload=s.offload,
+            largest_unit=largest, activations=activations,
+            reduce_bytes=p.reduce_dtype.itemsize, in_flight=s.max_in_flight,
+            prefetch=self.config.zero.prefetch, high_water=self.device.type == "cpu")
+        base = self.phases.baseline
+        measured = {k: v - base for k, v in self.phases.peaks.items()}
+        return {"measured": measured, "predicted": {k: predicted[k] for k in measured}}
 
     def close(self) -> None:
         self.strategy.close()

@@ -93,10 +93,16 @@ class DeepSpeedAPI:
         """Collective: save to `save_dir/<tag or step_N>` and point `latest` at it."""
         from zerotrain.checkpoint import save
 
-        return save(self.state_dict(), save_dir, step=self.global_step, rank=self.rank,
+        first = "save" not in self.phases.peaks
+        if first:
+            self.phases.begin()
+        path = save(self.state_dict(), save_dir, step=self.global_step, rank=self.rank,
                     world=self.world_size, keep=self.config.checkpoint.keep,
                     run_id=getattr(self, "run_id", None), client_state=client_state,
                     name=tag)
+        if first:
+            self.phases.end("save")
+        return path
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
                         reset_optimizer: bool = False) -> tuple[Path, Any]:

@@ -25,9 +25,11 @@ from zerotrain.data.dataset import cached_shards, load_splits, needs_shards, res
 from zerotrain.data.errors import DataError
 from zerotrain.data.sampler import WindowSampler, eval_batches
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
-from zerotrain.engine import Engine, StepInfo
+from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
 from zerotrain.lifecycle import Interrupted, Preemption, maybe_inject_fault, restart_count
+from zerotrain.memory import activation_bytes, activation_dtype_bytes
 from zerotrain.models import build_model, pretrained_weights, resolve_model_config
+from zerotrain.models.hf import has_weights as hf_has_weights
 from zerotrain.models.sampling import generate
 from zerotrain.report import Reporter, uniform_baseline
 from zerotrain.run_dir import (
@@ -163,13 +165,15 @@ def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
 
 
 def build(cfg: Config, device: torch.device) -> Engine:
-    """The model of `model:` under the engine, with its pretrained weights if it has any
-    (each rank reads only the slices it keeps)."""
-    model = build_model(cfg.model)
-    engine = Engine(model, cfg, device)
+    """The model of `model:`, built on the meta device and materialised by the engine unit
+    by unit (no rank ever holds more than its stage requires), with its pretrained
+    weights if it has any (each rank reads only the slices it keeps)."""
+    random_hf = cfg.model.hf is not None and cfg.model.init_from is None and \
+        not hf_has_weights(cfg.model.hf)
+    model = build_model(cfg.model, device=None if random_hf else "meta")
     weights = pretrained_weights(cfg.model, model)
+    engine = Engine(model, cfg, device, weights=weights.read_slice if weights else None)
     if weights is not None:
-        engine.load_weights(weights.read_slice)
         weights.close()
     engine.extra_meta.update(built_from_config=True,
                              hf_config=getattr(model, "hf_config", None))
@@ -255,6 +259,22 @@ def _start_lines(run: Run) -> None:
         if v))
 
 
+def _phase_line(run: Run) -> None:
+    """Peak memory per phase against the model's prediction (rank 0's numbers)."""
+    eng, c = run.engine, run.cfg
+    acts = 0
+    if c.model.arch == "gpt" and c.model.hf is None:
+        acts = activation_bytes(c.model, c.data.micro_batch_size, c.model.block_size,
+                                act_bytes=activation_dtype_bytes(c.precision.dtype))
+    ph = eng.memory_phases(acts)
+    run.report.record({"type": "memory_phases", "step": eng.global_step, **ph})
+    mib = 2**20
+    run.report.say("[zerotrain] peak memory per phase above start, MiB (measured / "
+                   "predicted): " + ", ".join(
+                       f"{k} {v / mib:.1f} / {ph['predicted'][k] / mib:.1f}"
+                       for k, v in ph["measured"].items()))
+
+
 def _log_step(run: Run, sinfo: StepInfo, loss: float, dt: float) -> float:
     eng, world = run.engine, run.dist.world_size
     loss_avg = float(eng.comm.all_reduce_scalars([loss])[0]) / world
@@ -325,6 +345,8 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
             if last % cfg.logging.log_every == 0 or last == cfg.train.steps:
                 loss_avg = _log_step(run, sinfo, loss, dt)
             report.advance()
+            if last == PHASE_STEPS:
+                _phase_line(run)
             watch.after_step(sinfo)
             if cfg.logging.eval_every and last % cfg.logging.eval_every == 0 \
                     and last != cfg.train.steps:
@@ -344,6 +366,7 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     cfg, eng, report = run.cfg, run.engine, run.report
     final_val = _validate(run, eng.global_step)
     ckpt = run.save()
+    _phase_line(run)
     sample = ""
     if cfg.logging.sample_tokens:
         sample = generate_text(eng, run.tokenizer, "def ", cfg.logging.sample_tokens,

@@ -8,14 +8,13 @@ dtype, so mixed-precision runs compare like with like.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ModelConfig
+from zerotrain.models.init import draw_seed, init_all, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 
 
@@ -64,6 +63,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        # Values are decided here, on the meta device too (models/init.py)
+        self.init_seed = draw_seed()
+        rng = torch.get_rng_state()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -73,20 +75,14 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight
-        self.apply(self._init)
-        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        torch.set_rng_state(rng)  # as if torch's default initialisers had not drawn
+        init_all(self, self.init_param)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    def init_param(self, name: str, t: Tensor) -> None:
+        """Parameter `name`'s initial value, from (seed, name) alone (models/init.py), so a
+        model materialised unit by unit on the meta device equals the eager one. GPT-2's
+        scaled init of residual projections keeps the residual stream's variance flat."""
+        init_decoder_param(self, name, t, self.init_seed, ("proj.weight",), self.cfg.n_layer)
 
     def num_params(self, exclude_position: bool = False) -> int:
         """Unique parameters: a tied head and embedding count once."""
@@ -126,4 +122,5 @@ class GPT(nn.Module):
 
 def plan(model: GPT) -> Plan:
     """The GPT's blocks are its ZeRO-3 units; wte, wpe and the (tied) head its edge."""
-    return plan_from(model, list(model.blocks), [model.wte, model.wpe, model.head])
+    return plan_from(model, list(model.blocks), [model.wte, model.wpe, model.head],
+                     init=model.init_param)

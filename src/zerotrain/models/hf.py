@@ -11,6 +11,7 @@ model's under the prefix `hf.`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -92,4 +93,8 @@ def plan(model: HFCausalLM) -> Plan:
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if isinstance(head, nn.Module):
         edge.append(head)
-    return plan_from(model, list(blocks) if blocks is not None else [], edge)
+    p = plan_from(model, list(blocks) if blocks is not None else [], edge)
+    # built on the meta device for sharded loading: HF's own initialiser remakes buffers
+    # such as rotary frequencies
+    init_buffers = getattr(hf, "_init_weights", None)
+    return dataclasses.replace(p, init_buffers=init_buffers)

@@ -9,14 +9,13 @@ permutation. As in the GPT, the loss is computed in FP32 whatever the parameter 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ConfigError, ModelConfig
+from zerotrain.models.init import draw_seed, init_all, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.presets import resolve_model_config
 from zerotrain.models.sampling import generate
@@ -122,6 +121,9 @@ class Llama(nn.Module):
         if cfg.arch != "llama":
             raise ConfigError(f"Llama needs model.arch llama, got {cfg.arch}")
         assert cfg.n_embd and cfg.n_layer and cfg.n_head
+        # Values are decided here, on the meta device too (models/init.py)
+        self.init_seed = draw_seed()
+        rng = torch.get_rng_state()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -130,18 +132,15 @@ class Llama(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.embed.weight
-        self.apply(self._init)
-        # as in the GPT: residual projections scaled so the residual stream's variance stays flat
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.o.weight", "mlp.down.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        torch.set_rng_state(rng)  # as if torch's default initialisers had not drawn
+        init_all(self, self.init_param)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear | nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    def init_param(self, name: str, t: Tensor) -> None:
+        """As the GPT's (models/init.py): a function of (seed, name) alone; residual
+        projections scaled so the residual stream's variance stays flat."""
+        assert self.cfg.n_layer
+        init_decoder_param(self, name, t, self.init_seed, ("attn.o.weight", "mlp.down.weight"),
+                           self.cfg.n_layer)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -173,4 +172,5 @@ class Llama(nn.Module):
 
 def plan(model: Llama) -> Plan:
     """The blocks are the ZeRO-3 units; the embedding and the (untied) head are the edge."""
-    return plan_from(model, list(model.blocks), [model.embed, model.head])
+    return plan_from(model, list(model.blocks), [model.embed, model.head],
+                     init=model.init_param)

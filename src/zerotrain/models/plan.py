@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from torch import nn
+from torch import Tensor, nn
 
 
 class Group(IntEnum):
@@ -38,11 +38,19 @@ class Plan:
     one root unit. `groups`: canonical parameter name (as `named_parameters()` yields
     it, tied weights once) → `Group`. `fp8_linears`: names of the `nn.Linear` modules
     that may compute in FP8 (the blocks' linears; never embeddings or the head).
+    `init`: see the field.
     """
 
     blocks: tuple[nn.Module, ...]
     groups: dict[str, Group]
     fp8_linears: tuple[str, ...] = field(default=())
+    #: init(name, tensor) writes a parameter's initial value, independent of order (so a
+    #: model built on the meta device is initialised unit by unit); None: the model has
+    #: no such rule, and meta parameters fall back to their modules' reset_parameters()
+    init: Callable[[str, Tensor], None] | None = None
+    #: init_buffers(module) fills a module's buffers made afresh on the device (a model
+    #: built on the meta device; e.g. rotary frequencies); None: none needed
+    init_buffers: Callable[[nn.Module], None] | None = None
 
     def group_of(self, name: str) -> Group:
         return self.groups[name]
@@ -79,7 +87,8 @@ def output_head(model: nn.Module) -> nn.Module | None:
 
 
 def plan_from(model: nn.Module, blocks: list[nn.Module], edge: list[nn.Module],
-              fp8: Callable[[str, nn.Module], bool] | None = None) -> Plan:
+              fp8: Callable[[str, nn.Module], bool] | None = None,
+              init: Callable[[str, Tensor], None] | None = None) -> Plan:
     """Build a Plan from the blocks and the edge modules (embeddings, head).
 
     1-D parameters are VECTOR, parameters of an edge module EMBEDDING, the rest MATRIX.
@@ -99,7 +108,7 @@ def plan_from(model: nn.Module, blocks: list[nn.Module], edge: list[nn.Module],
     linears = tuple(n for n, m in model.named_modules()
                     if isinstance(m, nn.Linear) and id(m) not in {id(e) for e in edge}
                     and pick(n, m))
-    return Plan(tuple(blocks), groups, linears)
+    return Plan(tuple(blocks), groups, linears, init)
 
 
 def default_plan(model: nn.Module) -> Plan:

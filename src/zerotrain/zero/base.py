@@ -44,11 +44,13 @@ class Strategy(StrategyState):
     max_in_flight = 2
 
     def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: Comm,
-                 cfg: ZeroConfig, device: torch.device, keep_shapes: bool = False):
+                 cfg: ZeroConfig, device: torch.device, keep_shapes: bool = False,
+                 skip_init: bool = False):
         """`keep_shapes`: hand the optimizer one tensor per parameter with its real shape
-        (Muon needs matrices) instead of one flat run per (unit, group)."""
+        (Muon needs matrices) instead of one flat run per (unit, group). `skip_init`:
+        meta parameters are left at zero (pretrained weights are loaded next)."""
         self.model, self.plan, self.policy, self.comm, self.cfg = model, plan, policy, comm, cfg
-        self.keep_shapes = keep_shapes
+        self.keep_shapes, self.skip_init = keep_shapes, skip_init
         self.device = device
         self.host = torch.device("cpu") if self.offload else device
         self.rank, self.world = comm.rank, comm.world_size
@@ -56,7 +58,7 @@ class Strategy(StrategyState):
                  if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        place_rest(model, device, policy.param_dtype)
+        place_rest(model, device, policy.param_dtype, plan.init_buffers)
         self.grads = self.grads_class(policy.grad_dtype, device, self.host,
                                       **self.grads_options())
         self.units: list[Unit] = [
@@ -86,10 +88,33 @@ class Strategy(StrategyState):
 
     def init_unit(self, u: Unit) -> None:
         """Move the unit's parameters into its flat buffer; give it gradients and master."""
-        u.materialize(self.policy.param_dtype, self.device)
+        u.materialize(self.policy.param_dtype, self.device, self.init_values)
         self.grads.allocate(u)
         lo, hi = self.opt_range(u)
         u.master = self.master_for(u.params[lo:hi])
+
+    def init_values(self, u: Unit) -> None:
+        """Initial values of a unit built on the meta device, written into its buffer.
+
+        The plan's rule (`Plan.init`: a function of seed and name, so the values equal
+        the eagerly built model's), else each module's `reset_parameters()`. Skipped
+        when pretrained weights will fill the unit anyway (`self.skip_init`).
+        """
+        if self.skip_init:
+            return
+        if self.plan.init is not None:
+            for s in u.slots:
+                self.plan.init(s.name, s.param.data)
+            return
+        mine = {id(s.param) for s in u.slots}
+        for m in self.model.modules():
+            if any(id(p) in mine for p in m.parameters(recurse=False)):
+                reset = getattr(m, "reset_parameters", None)
+                if reset is None:
+                    raise ValueError(f"module {type(m).__name__} was built on the meta device "
+                                     "but has no reset_parameters() and the model's plan "
+                                     "gives no init rule; build it on a real device")
+                reset()
 
     def reduce_grads(self, u: Unit) -> None:
         """The unit's gradients are complete on this rank: start their reduction."""
@@ -262,14 +287,28 @@ class Strategy(StrategyState):
         self.comm.close()
 
 
-def place_rest(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def place_rest(model: nn.Module, device: torch.device, dtype: torch.dtype,
+               init_buffers: Callable[[nn.Module], None] | None = None) -> None:
     """Move what the units do not own — buffers and frozen parameters — to the device
-    (floating ones in the compute dtype), without touching trainable parameters."""
+    (floating ones in the compute dtype), without touching trainable parameters.
+    Buffers of a meta-device model are made on the device and filled by `init_buffers`."""
+    fresh = []
     with torch.no_grad():
         for m in model.modules():
             for name, b in m.named_buffers(recurse=False):
-                if b is not None:
-                    m._buffers[name] = b.to(device, dtype if b.is_floating_point() else None)
+                if b is None:
+                    continue
+                cast = dtype if b.is_floating_point() else None
+                if b.device.type == "meta":
+                    m._buffers[name] = torch.empty_like(b, device=device, dtype=cast)
+                    fresh.append(m)
+                else:
+                    m._buffers[name] = b.to(device, cast)
             for p in m.parameters(recurse=False):
                 if not p.requires_grad:
                     p.data = p.data.to(device, dtype if p.is_floating_point() else None)
+    for m in dict.fromkeys(fresh):
+        if init_buffers is None:
+            raise ValueError(f"{type(m).__name__} has buffers on the meta device and the model's "
+                             "plan cannot make them (Plan.init_buffers); build it on a real device")
+        init_buffers(m)

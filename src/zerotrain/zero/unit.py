@@ -14,6 +14,7 @@ parameter view stays valid, so autograd's saved references see the re-gathered v
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,21 +35,35 @@ class Unit(FlatUnit):
     ready: set[int] = field(default_factory=set)      # slots whose gradient arrived
     reduced: bool = False        # this backward's reduction has been started
 
-    def materialize(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Copy the parameters into a fresh flat buffer and make each one a view of it."""
+    def materialize(self, dtype: torch.dtype, device: torch.device,
+                    init: Callable[[Unit], None] | None = None) -> Tensor:
+        """Give the unit its flat buffer and make each parameter a view of it.
+
+        Parameters that hold values are copied in; parameters on the meta device (a
+        model built without memory) get their values from `init(unit)` once the views
+        exist — written in place, so the buffer is the only copy ever made.
+        """
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        meta = [s for s in self.slots if s.param.device.type == "meta"]
         with torch.no_grad():
             for s in self.slots:
-                flat[s.offset:s.end].copy_(s.param.detach().reshape(-1))
+                if s.param.device.type != "meta":
+                    flat[s.offset:s.end].copy_(s.param.detach().reshape(-1))
         self.params = flat
         self.point_params_at(flat)
+        if meta and init is not None:
+            init(self)
         return flat
 
     def point_params_at(self, flat: Tensor) -> None:
         # `.data =` keeps each Parameter object (hooks, tied modules, user references) and
         # its own autograd version counter, so refilling `flat` in place never trips
-        # autograd's saved-tensor checks.
+        # autograd's saved-tensor checks. A meta parameter cannot take real data that way:
+        # its tensor is swapped in place instead, which keeps the object just the same.
         for s in self.slots:
+            if s.param.device.type == "meta":
+                empty = torch.empty(0, dtype=flat.dtype, device=flat.device)
+                torch.utils.swap_tensors(s.param, nn.Parameter(empty, s.param.requires_grad))
             s.param.data = flat[s.offset:s.end].view(s.shape)
 
     def install_grads(self, buf: Tensor) -> None:

@@ -56,7 +56,7 @@ class ZeRO3(ZeRO2):
                 for name, ps, m in unit_members(self.model, self.plan, named)]
 
     def init_unit(self, u: ShardedUnit) -> None:
-        u.materialize(self.policy.param_dtype, self.device)
+        u.materialize(self.policy.param_dtype, self.device, self.init_values)
         lo, hi = u.shard_range
         u.persistent = u.numel < self.cfg.param_persistence_threshold
         # A persistent unit keeps its full buffer, so its shard can simply be a view of it.

@@ -1,0 +1,54 @@
+"""The memory and traffic model (docs/design.md §zero), as formulas, plus measurement.
+
+- `states`: model-state bytes per rank for each ZeRO stage (the ZeRO table), the inverse
+  question (the largest model that fits).
+- `traffic`: bytes each rank sends per step, and α–β time.
+- `activations`: the reference GPT's saved activations.
+- `phases`: peak memory per phase of a run (init, forward, backward, step, save).
+- `measure`: what the process holds, and peaks per phase measured from the live run.
+
+Formulas know no model and no optimizer class: sizes and K come in as numbers, and the
+engine's measured audit is held against them in the tests. GB = 10^9 bytes.
+"""
+
+from zerotrain.memory.activations import (
+    activation_bytes,
+    block_activation_bytes,
+    head_activation_bytes,
+)
+from zerotrain.memory.measure import (
+    PhasePeaks,
+    measured_process_memory,
+    proc_status,
+    reset_peak_rss,
+)
+from zerotrain.memory.phases import PHASES, phase_estimates
+from zerotrain.memory.states import (
+    FIELDS,
+    PRECISIONS,
+    BytesPerParam,
+    MemoryEstimate,
+    activation_dtype_bytes,
+    bytes_per_param,
+    estimate,
+    max_params,
+    model_state_bytes,
+    model_state_bytes_from_buffers,
+    precision_bytes,
+    shard_numel,
+)
+from zerotrain.memory.traffic import (
+    CollectiveCost,
+    Traffic,
+    collective_cost,
+    traffic_per_step,
+)
+
+__all__ = [
+    "FIELDS", "PHASES", "PRECISIONS", "BytesPerParam", "CollectiveCost", "MemoryEstimate",
+    "PhasePeaks", "Traffic", "activation_bytes", "activation_dtype_bytes",
+    "block_activation_bytes", "bytes_per_param", "collective_cost", "estimate",
+    "head_activation_bytes", "max_params", "measured_process_memory", "model_state_bytes",
+    "model_state_bytes_from_buffers", "phase_estimates", "precision_bytes", "proc_status",
+    "reset_peak_rss", "shard_numel", "traffic_per_step",
+]
