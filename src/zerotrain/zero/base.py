@@ -28,7 +28,7 @@ from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.flat import NamedParams, Segment, bucket_params
-from zerotrain.zero.grads import FullGrads, zeros
+from zerotrain.zero.grads import FullGrads
 from zerotrain.zero.state import StrategyState
 from zerotrain.zero.unit import Unit
 
@@ -61,8 +61,10 @@ class Strategy(StrategyState):
         place_rest(model, device, policy.param_dtype, plan.init_buffers)
         self.grads = self.grads_class(policy.grad_dtype, device, self.host,
                                       **self.grads_options())
+        # GPUs want 16-byte aligned parameters and shards; the CPU packs them end to end
+        align = 16 // policy.param_dtype.itemsize if device.type == "cuda" else 1
         self.units: list[Unit] = [
-            self.unit_class.build(i, name, ps, self.world, self.rank, **extra)
+            self.unit_class.build(i, name, ps, self.world, self.rank, align, **extra)
             for i, (name, ps, extra) in enumerate(self.make_units(named))
         ]
         for u in self.units:
@@ -135,12 +137,14 @@ class Strategy(StrategyState):
         in mixed precision or Offload; otherwise `own` itself — the parameters are their
         own master (fp32, bf16-pure)."""
         if self.policy.has_master or self.offload:
-            pinned = self.host.type == "cpu" and self.device.type == "cuda"
-            master = zeros(own.numel(), self.policy.master_dtype or own.dtype, self.host,
-                           pinned)
+            master = self.host_zeros(own.numel(), self.policy.master_dtype or own.dtype)
             master.copy_(own)
             return master
         return own
+
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """Zeros where the optimizer's states live (the device, or the host under Offload)."""
+        return torch.zeros(numel, dtype=dtype, device=self.host)
 
     def write_master_into(self, u: Unit, dst: Tensor) -> None:
         if u.master.data_ptr() != dst.data_ptr():
@@ -210,6 +214,7 @@ class Strategy(StrategyState):
                     u.reduced = True
                     self.reduce_grads(u)
         self.wait_pending()
+        self.grads.drain()
         for u in self.units:
             u.end_backward()
         self._callback_queued = False

@@ -65,13 +65,18 @@ class FlatUnit:
 
     @classmethod
     def build(cls, index: int, name: str, named: NamedParams, world_size: int, rank: int,
-              **extra) -> FlatUnit:
+              align: int = 1, **extra) -> FlatUnit:
+        """`align`: every parameter and every shard starts at a multiple of this many
+        elements (GPUs: 16 bytes, so NCCL, foreach kernels and cuBLAS take their
+        vectorised paths); 1 packs parameters end to end."""
         named = sorted(named, key=lambda t: t[2])  # stable: group order, then model order
         slots, off = [], 0
         for pname, p, group in named:
+            off = -(-off // align) * align
             slots.append(ParamSlot(pname, p, off, p.numel(), p.shape, group))
             off += p.numel()
-        padded = -(-off // world_size) * world_size if off else world_size
+        step = world_size * align
+        padded = -(-off // step) * step if off else step
         return cls(index, name, slots, world_size, rank, off, padded, padded // world_size,
                    **extra)
 

@@ -7,8 +7,8 @@ spread over the strategy:
   Micro-steps accumulate into it; it is reduced once, at the accumulation boundary.
 - `ShardedGrads` (stages 2–3): a unit's gradients land in a transient full-size bucket
   taken from a pool, which is reduce-scattered on every micro-step; only this rank's
-  shard (`unit.grad`) persists, and accumulation happens there. With `host` placement
-  (Offload) the shard lives in host memory.
+  shard (`unit.grad`) persists, and accumulation happens there. Offload's `HostGrads`
+  (zero/offload.py) keeps the shard in host memory.
 
 Both answer the same questions: where does a parameter's gradient accumulate
 (`target`), what the optimizer reads (`unit.grad`, in the coordinates of
@@ -23,11 +23,6 @@ import torch
 from torch import Tensor
 
 from zerotrain.zero.unit import Unit
-
-
-def zeros(numel: int, dtype: torch.dtype, device: torch.device, pinned: bool) -> Tensor:
-    """Zeros, pinned when `device` is the host side of a real host/GPU split."""
-    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pinned)
 
 
 class FullGrads:
@@ -60,6 +55,12 @@ class FullGrads:
         u.grad.zero_()
         u.grad_dirty = False
 
+    def drain(self) -> None:
+        """End of backward: finish any copy still landing (Offload on a GPU)."""
+
+    def close(self) -> None:
+        """Release what the gradients hold outside torch's allocators (Offload)."""
+
 
 class ShardedGrads(FullGrads):
     """Stages 2–3: a bucket pool for the backward, the owned shard across micro-steps."""
@@ -74,10 +75,9 @@ class ShardedGrads(FullGrads):
         self.bucket_dtype = bucket_dtype or dtype
         self.pool: dict[int, list[Tensor]] = {}  # released buckets by size: warm pages
         self.pool_size = pool_size
-        self.pinned = self.host.type == "cpu" and device.type == "cuda"
 
     def allocate(self, u: Unit) -> None:
-        u.grad = zeros(u.shard_numel, self.dtype, self.host, self.pinned)
+        u.grad = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.host)
 
     def target(self, u: Unit) -> Tensor:
         """The unit's bucket, taken when its first gradient arrives. The other parameters'

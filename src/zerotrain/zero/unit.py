@@ -32,6 +32,8 @@ class Unit(FlatUnit):
     bucket: Tensor | None = field(default=None, repr=False)  # ZeRO-2+: transient, full size
     module: nn.Module | None = field(default=None, repr=False)  # ZeRO-3: whose hooks drive it
     grad_dirty: bool = False     # the persistent gradient holds a contribution already
+    staging: Tensor | None = field(default=None, repr=False)  # Offload: pinned landing
+    publish_staging: Tensor | None = field(default=None, repr=False)  # Offload: host cast
     ready: set[int] = field(default_factory=set)      # slots whose gradient arrived
     reduced: bool = False        # this backward's reduction has been started
 
@@ -100,6 +102,7 @@ class ShardedUnit(Unit):
             return
         st = self.params.untyped_storage()
         st.resize_(self.padded_numel * self.params.element_size())
+        self.point_params_at(self.params)
         self.handle = comm.all_gather(self.params, self.shard, async_op=async_op)
         self.state = UnitState.GATHERING
         if not async_op:
@@ -113,11 +116,22 @@ class ShardedUnit(Unit):
             self.state = UnitState.GATHERED
 
     def reshard(self) -> None:
-        """Release the full buffer (waiting for a gather still in flight into it)."""
+        """Release the full buffer (waiting for a gather still in flight into it).
+
+        The parameters then point at a one-element NaN tensor expanded to their shape:
+        reading a sharded parameter outside the hooks gives visible NaNs of the right
+        shape instead of touching freed memory (a crash on CPU, an illegal memory access
+        that poisons the context on CUDA). Autograd's saved views keep the full buffer's
+        storage and see it refilled by the next gather; `unshard` points the parameters
+        back at it.
+        """
         if self.persistent or self.state is UnitState.SHARDED:
             return
         self.wait_unshard()
         self.params.untyped_storage().resize_(0)
+        nan = torch.full((1,), float("nan"), dtype=self.params.dtype, device=self.params.device)
+        for s in self.slots:
+            s.param.data = nan.expand(s.shape)
         self.state = UnitState.SHARDED
 
     def gathered_bytes(self) -> int:
