@@ -43,7 +43,7 @@ LAYERS = {
 # Packages with submodules (a prefix covers them); the others name one module each.
 PACKAGES = {"zerotrain.cli", "zerotrain.deepspeed_config", "zerotrain.checkpoint",
             "zerotrain.zero", "zerotrain.comm", "zerotrain.optim", "zerotrain.models",
-            "zerotrain.data", "zerotrain.numerics", "zerotrain.memory"}
+            "zerotrain.data", "zerotrain.numerics", "zerotrain.memory", "zerotrain.config"}
 # Only the application layer may use these (command lines, plots, progress bars).
 APP_ONLY = ("argparse", "matplotlib", "tqdm")
 

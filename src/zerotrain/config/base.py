@@ -1,0 +1,42 @@
+"""What every config section shares: one error type, strict fields, no bool for a number."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem; the message says what and how to fix it."""
+
+
+class _Section(BaseModel):
+    # inf/nan never make a sensible setting (an lr of inf trains to NaN)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        # pydantic reads `true` as 1 for an int (and `--zero.stage true` as stage 1)
+        if isinstance(data, dict):
+            for name, value in data.items():
+                f = cls.model_fields.get(name)
+                if isinstance(value, bool) and f is not None and _numeric(f.annotation):
+                    raise ValueError(f"{cls._section_name()}.{name} is a number, got {value!r}")
+        return data
+
+    @classmethod
+    def _section_name(cls) -> str:
+        return cls.__name__.removesuffix("Config").lower()
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field holds numbers only (int/float, optional, or a Literal of ints)."""
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, int) and not isinstance(a, bool) for a in args)
+    if args:
+        kinds = [a for a in args if a is not type(None)]
+        return bool(kinds) and all(_numeric(a) for a in kinds)
+    return annotation in (int, float)

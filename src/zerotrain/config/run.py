@@ -1,0 +1,118 @@
+"""zero:, comm:, checkpoint:, logging: and train: — how a run is spread, saved and watched."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from zerotrain.config.base import _Section
+
+
+class ZeroConfig(_Section):
+    stage: Literal[0, 1, 2, 3] = 0
+    bucket_mb: float = Field(25.0, gt=0.0, description="size of flat communication buckets")
+    overlap: bool = Field(True, description="overlap gradient communication with backward")
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    param_persistence_threshold: int = Field(
+        0, ge=0, description="ZeRO-3: units with fewer elements stay gathered between uses"
+    )
+    prefetch: bool = Field(True, description="ZeRO-3: gather the next unit while this one runs")
+
+    @model_validator(mode="after")
+    def _offload_needs_sharding(self) -> ZeroConfig:
+        if self.offload_optimizer != "none" and self.stage < 2:
+            raise ValueError(
+                "zero.offload_optimizer needs zero.stage 2 or 3 (it offloads the sharded "
+                "gradients, master weights and optimizer states)"
+            )
+        return self
+
+
+class CommConfig(_Section):
+    algorithm: Literal["native", "ring", "auto"] = Field(
+        "auto", description="native: torch.distributed's collectives; ring: zerotrain's ring "
+        "over isend/irecv; auto: the ring for reduce-scatters and all-gathers of buffers >= "
+        "ring_min_mb on gloo, native otherwise"
+    )
+    ring_min_mb: float = Field(2.0, gt=0.0, description="auto: smallest buffer for the ring")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: int = Field(600, ge=10)
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = Field(None, description="default: <logging.run_dir>/checkpoints")
+    every: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
+    keep: int = Field(2, ge=1, description="how many recent checkpoints of this run to keep")
+    reset_optimizer: bool = Field(
+        False, description="on resume, start the optimizer state afresh (needed to resume "
+        "with another optimizer); weights, counters and loss scale still load")
+
+
+class WandbConfig(_Section):
+    """Weights & Biases run naming; offline unless the WANDB_MODE environment variable says."""
+
+    project: str = "zerotrain"
+    entity: str | None = Field(None, description="team or user; None: wandb's default")
+    group: str | None = None
+
+
+class LoggingConfig(_Section):
+    run_dir: str = "runs/default"
+    backends: list[Literal["jsonl", "tensorboard", "wandb", "csv"]] = Field(
+        default_factory=lambda: ["jsonl"], description="where metrics go (rank 0): jsonl "
+        "(metrics.jsonl), tensorboard, wandb, csv; each but jsonl and csv is an optional extra "
+        "(pip install 'zerotrain[tensorboard]')")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(100, ge=0, description="0 disables periodic validation")
+    eval_batches: int = Field(8, ge=1)
+    plot: bool = True
+    sample_tokens: int = Field(300, ge=0)
+    progress: bool = True
+    overwrite: bool = Field(
+        False, description="start afresh in a run_dir that holds another run, deleting its "
+        "checkpoints and metrics (otherwise that is refused)")
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _split_backends(cls, v: Any) -> Any:
+        # `--logging.backends tensorboard,csv` on the command line arrives as one string
+        v = [b.strip() for b in v.split(",") if b.strip()] if isinstance(v, str) else v
+        if isinstance(v, list) and len(set(map(str, v))) != len(v):
+            raise ValueError(f"logging.backends lists a backend twice: {v}")
+        return v
+
+
+class SpikeGuardConfig(_Section):
+    """Skip a step whose loss or gradient norm is an outlier (off by default)."""
+
+    enabled: bool = False
+    window: int = Field(50, ge=5, description="recent steps the mean and spread come from")
+    zscore: float = Field(6.0, gt=0.0, description="skip beyond this many standard deviations")
+
+
+class FaultConfig(_Section):
+    """Fault injection, for tests and demos of --max-restarts: SIGKILL rank `rank` when it
+    completes step `step` (in the job's first attempt only; null: never)."""
+
+    rank: int = Field(0, ge=0)
+    step: int | None = Field(None, ge=1)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(1000, ge=1)
+    seed: int = 1337
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per rank (default: cores / local ranks)"
+    )
+    max_skipped_steps: int = Field(
+        50, ge=1, description="abort after this many consecutive skipped (non-finite) steps; "
+        "fp16's loss-scale search never needs as many")
+    spike_guard: SpikeGuardConfig = Field(default_factory=SpikeGuardConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)

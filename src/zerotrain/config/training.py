@@ -1,0 +1,148 @@
+"""optimizer:, schedule: and precision: — how the weights are updated."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from zerotrain.config.base import _Section
+
+OptimizerName = Literal["adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "muon"]
+
+
+
+class OptimizerConfig(_Section):
+    name: OptimizerName = "adamw"
+    lr: float = Field(1e-3, gt=0.0, description="peak learning rate")
+    weight_decay: float = Field(0.1, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0.0)
+    momentum: float = Field(
+        0.0, ge=0.0, lt=1.0, description="SGD/RMSProp momentum; Muon uses 0.95 if 0"
+    )
+    dampening: float = Field(0.0, ge=0.0, le=1.0)
+    nesterov: bool | None = Field(
+        None, description="SGD/Muon Nesterov momentum; null = the optimizer's default "
+        "(off for SGD, on for Muon)"
+    )
+    alpha: float = Field(0.99, gt=0.0, lt=1.0, description="RMSProp smoothing")
+    lr_decay: float = Field(0.0, ge=0.0, description="AdaGrad lr decay")
+    ns_steps: int = Field(5, ge=1, description="Muon Newton-Schulz iterations")
+    grad_clip: float | None = Field(1.0, description="clip by global norm; null/0 disables")
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw", description="Muon's per-matrix lr: match_rms_adamw = lr·0.2·√max(rows, "
+        "cols) (one lr serves matrices and the AdamW fallback); original = lr·√max(1, rows/cols) "
+        "(Jordan's, DeepSpeed's; Muon lrs near 0.02)"
+    )
+    decay_1d: bool = Field(False, description="apply weight decay to biases and norm gains too")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="Adam/AdamW: run the update through torch.compile as one fused "
+        "pass (as fast as torch's fused kernel; costs seconds of compilation and ~150 MiB "
+        "for the compiler at start). auto: only when this rank's optimizer holds at least "
+        "2^24 parameters, where that one-off cost is repaid within a few hundred steps"
+    )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_choice(cls, v: Any) -> bool | str:
+        # "auto", or anything pydantic reads as a bool (true/1/yes/on ...), with one message
+        # for a bad value instead of pydantic's one per member of the union
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        try:
+            return TypeAdapter(bool).validate_python(v)
+        except ValidationError:
+            raise ValueError(f"optimizer.compile must be true, false or auto, got {v!r}") from None
+
+    @field_validator("grad_clip")
+    @classmethod
+    def _clip(cls, v: float | None) -> float | None:
+        if v is not None and v < 0:  # a negative clip flips every gradient: ascent
+            raise ValueError(f"optimizer.grad_clip must be > 0 (or null/0 to disable), got {v}")
+        return v
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            raise ValueError(f"optimizer.betas takes two numbers, written [0.9,0.95] (YAML "
+                             f"list) on the command line; got the text {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        for b in self.betas:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"optimizer.betas must lie in [0, 1), got {list(self.betas)}")
+        if self.nesterov and self.name == "sgd" and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("optimizer.nesterov needs optimizer.momentum > 0 and dampening 0")
+        return self
+
+
+class ScheduleConfig(_Section):
+    """warmup -> hold at peak (optimizer.lr) -> decay to min_lr; peak lr is optimizer.lr.
+
+    These defaults are the command line's; `build_config(..., library=True)` (what
+    `zerotrain.initialize` uses) starts from LIBRARY_DEFAULTS instead: a constant lr.
+    """
+
+    kind: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = Field(100, ge=0)
+    warmup_type: Literal["linear", "log"] = Field(
+        "linear", description="warmup curve: linear in the step, or log(step+1)/log(warmup_steps) "
+        "(DeepSpeed's default)")
+    warmup_start_lr: float = Field(0.0, ge=0.0)
+    hold_steps: int = Field(0, ge=0)
+    min_lr: float = Field(1e-4, ge=0.0)
+    decay_steps: int | None = Field(
+        None, ge=1, description="length of the decay phase; default: the rest of train.steps"
+    )
+    wsd_decay_fraction: float = Field(
+        0.2, gt=0.0, le=1.0, description="wsd: share of the steps after warmup spent decaying"
+    )
+    decay_start: int | None = Field(
+        None, ge=0, description="cosine/linear: step the decay phase starts from; default "
+        "warmup_steps + hold_steps. warmup_steps - 1 gives DeepSpeed's WarmupCosineLR, whose "
+        "first step after warmup is already one step into the cosine"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduleConfig:
+        if self.warmup_type == "log" and self.warmup_steps == 1:
+            raise ValueError("schedule.warmup_type log needs schedule.warmup_steps >= 2 (its "
+                             "curve divides by log(warmup_steps)); use 0 or >= 2")
+        if self.decay_start is not None:
+            if self.kind not in ("cosine", "linear"):
+                raise ValueError(f"schedule.decay_start applies to kind cosine or linear, not "
+                                 f"{self.kind}; remove it")
+            if self.hold_steps:
+                raise ValueError("schedule.decay_start replaces warmup_steps + hold_steps as the "
+                                 "start of the decay; set hold_steps 0 or drop decay_start")
+        return self
+
+
+class LossScaleConfig(_Section):
+    kind: Literal["dynamic", "static"] = "dynamic"
+    init_scale: float = Field(2.0**16, gt=0.0)
+    window: int = Field(1000, ge=1, description="clean steps before the scale doubles")
+    hysteresis: int = Field(2, ge=1, description="overflows tolerated before backing off")
+    min_scale: float = Field(1.0, gt=0.0)
+    on_min_scale: Literal["error", "clamp"] = "error"
+
+
+class PrecisionConfig(_Section):
+    dtype: Literal["fp32", "bf16", "fp16", "bf16-pure"] = "fp32"
+    grad_accum_dtype: Literal["fp32", "compute"] = Field(
+        "fp32", description="dtype gradients accumulate in across micro-steps"
+    )
+    reduce_dtype: Literal["fp32", "compute"] = Field(
+        "fp32", description="dtype gradients are communicated in"
+    )
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)

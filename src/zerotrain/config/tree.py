@@ -1,0 +1,99 @@
+"""The whole configuration tree, and the checks that span sections."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+
+from zerotrain.config.base import _Section
+from zerotrain.config.model import DataConfig, ModelConfig
+from zerotrain.config.run import (
+    CheckpointConfig,
+    CommConfig,
+    LoggingConfig,
+    TrainConfig,
+    ZeroConfig,
+)
+from zerotrain.config.training import OptimizerConfig, PrecisionConfig, ScheduleConfig
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        s = self.schedule
+        if s.warmup_steps + s.hold_steps > self.train.steps:
+            raise ValueError(
+                f"schedule.warmup_steps + schedule.hold_steps ({s.warmup_steps + s.hold_steps}) "
+                f"exceed train.steps ({self.train.steps}); shorten warmup or train longer"
+            )
+        if s.kind == "wsd" and s.hold_steps:
+            raise ValueError("schedule.hold_steps must be 0 for schedule.kind wsd (its stable "
+                             "phase is the hold); use wsd_decay_fraction to size the decay")
+        if s.min_lr > self.optimizer.lr:
+            raise ValueError(
+                f"schedule.min_lr ({s.min_lr}) is above the peak optimizer.lr ({self.optimizer.lr})"
+            )
+        if s.warmup_start_lr > self.optimizer.lr:
+            raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
+                             f"optimizer.lr ({self.optimizer.lr})")
+        if self.optimizer.name == "muon" and self.zero.stage > 0:
+            raise ValueError(
+                "optimizer.name muon orthogonalises whole weight matrices, but zero.stage "
+                f"{self.zero.stage} gives each rank only a flat slice of them; use zero.stage 0"
+            )
+        if s.decay_steps is not None and s.kind != "constant":
+            end = (s.decay_start if s.decay_start is not None
+                   else s.warmup_steps + s.hold_steps) + s.decay_steps
+            if s.kind != "wsd" and end > self.train.steps:
+                raise ValueError(
+                    f"schedule.decay_steps ({s.decay_steps}) ends the decay at step {end}, "
+                    f"after train.steps ({self.train.steps}): the run would stop before "
+                    "reaching schedule.min_lr; shorten decay_steps or leave it null")
+        no_effect = idle_settings(self)
+        if no_effect:
+            raise ValueError("; ".join(no_effect))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def idle_settings(cfg: Config) -> list[str]:
+    """Settings given a non-default value that do nothing in this configuration."""
+    o, z, out = cfg.optimizer, cfg.zero, []
+    default = OptimizerConfig.model_fields
+
+    def idle(field: str, value: Any, users: tuple[str, ...]) -> None:
+        if value != default[field].default and o.name not in users:
+            out.append(f"optimizer.{field} ({value}) does nothing with optimizer.name "
+                       f"{o.name}; it is used by {', '.join(users)}. Remove it")
+
+    idle("momentum", o.momentum, ("sgd", "rmsprop", "muon"))
+    idle("nesterov", o.nesterov, ("sgd", "muon"))
+    idle("dampening", o.dampening, ("sgd",))
+    idle("alpha", o.alpha, ("rmsprop",))
+    idle("lr_decay", o.lr_decay, ("adagrad",))
+    idle("ns_steps", o.ns_steps, ("muon",))
+    idle("muon_adjust_lr", o.muon_adjust_lr, ("muon",))
+    if z.stage < 3 and z.param_persistence_threshold:
+        out.append(f"zero.param_persistence_threshold ({z.param_persistence_threshold}) "
+                   f"applies to zero.stage 3 only (this is stage {z.stage}); remove it")
+    if z.stage < 3 and not z.prefetch:
+        out.append(f"zero.prefetch false applies to zero.stage 3 only (this is stage "
+                   f"{z.stage}); remove it")
+    return out
