@@ -359,6 +359,9 @@ def test_layer_keeps_the_linear_parameters():
     assert f.weight is lin.weight and f.bias is lin.bias
     assert list(f.state_dict()) == list(ref.state_dict()) and isinstance(f, nn.Linear)
     assert torch.equal(f.weight, ref.weight)
+    built = Fp8Linear(48, 40, recipe=FP8Recipe("delayed", amax_history=2))  # constructor too
+    built(torch.randn(3, 48)).sum().backward()
+    assert built.fp8_amax_history.shape == (3, 2) and built.stats.modules == [built]
 
 
 # ---------------------------------------------------------------- GPU (FP8 tensor cores)

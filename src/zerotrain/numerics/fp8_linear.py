@@ -50,30 +50,37 @@ class Fp8Linear(nn.Linear):
     fp8_amax_history: Tensor | None
     fp8_amax_pending: Tensor | None
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 recipe: FP8Recipe | None = None, stats: FP8Stats | None = None,
+                 device: Any = None, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._setup_fp8(recipe or FP8Recipe(), stats)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe,
                     stats: FP8Stats | None = None) -> Fp8Linear:
-        """Wrap `linear`'s Parameters (shared, not copied) in an FP8 layer."""
+        """Wrap `linear`'s Parameters (shared, not copied: no new weights are made)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.register_parameter("bias", linear.bias)
         new.train(linear.training)
-        new.recipe = recipe
-        new.stats = stats if stats is not None else FP8Stats(linear.weight.device)
-        new.stats.modules.append(new)
-        if recipe.scaling == "delayed":
-            dev = linear.weight.device
-            new.register_buffer("fp8_amax_history", torch.zeros(3, recipe.amax_history,
-                                                                device=dev))
-            # running max of this step's amaxes; a checkpoint is taken between steps,
-            # where it is zero, so it is not saved
-            new.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev),
-                                persistent=False)
-        else:
-            new.fp8_amax_history = new.fp8_amax_pending = None
+        new._setup_fp8(recipe, stats)
         return new
+
+    def _setup_fp8(self, recipe: FP8Recipe, stats: FP8Stats | None) -> None:
+        self.recipe = recipe
+        self.stats = stats if stats is not None else FP8Stats(self.weight.device)
+        self.stats.modules.append(self)
+        if recipe.scaling != "delayed":
+            self.fp8_amax_history = self.fp8_amax_pending = None
+            return
+        dev = self.weight.device
+        self.register_buffer("fp8_amax_history", torch.zeros(3, recipe.amax_history, device=dev))
+        # the running max of this step's amaxes; checkpoints are taken between steps,
+        # where it is zero, so it is not saved
+        self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Fp8Linear:
         # `model.to(torch.bfloat16)` casts every floating buffer; the amax history must
@@ -99,8 +106,8 @@ class Fp8Linear(nn.Linear):
     def cast(self, t: Tensor, cls: int, fmt: FloatFormat, rows: bool) -> tuple[Tensor, Tensor]:
         """Quantise t for tensor class `cls`; returns (fp8 tensor, scale) and counts it."""
         current = amax(t, rows=rows)
-        s = scale_from_amax(self._delayed_amax(cls, current) if self.fp8_amax_history
-                            is not None else current, fmt, self.recipe.pow2_scales)
+        a = current if self.fp8_amax_history is None else self._delayed_amax(cls, current)
+        s = scale_from_amax(a, fmt, self.recipe.pow2_scales)
         q, counts = quantize(t, s, fmt, saturate=self._may_saturate(current, s, fmt))
         self.stats.add(cls, counts)
         return q, s
@@ -250,6 +257,7 @@ def revert_fp8(model: nn.Module) -> int:
         lin.weight = old.weight
         lin.register_parameter("bias", old.bias)
         lin.train(old.training)
+        old.stats.modules.remove(old)
         setattr(parent, attr, lin)
     return len(names)
 
