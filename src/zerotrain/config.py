@@ -182,8 +182,9 @@ class PrecisionConfig(_Section):
     def _fp8_dtype(self) -> PrecisionConfig:
         if self.fp8.enabled and self.dtype == "fp16":
             raise ValueError(
-                "precision.fp8 does not combine with precision.dtype fp16: FP8 scales each "
-                "tensor itself and fp16's loss scale would fight it; use bf16 or fp32")
+                "precision.fp8 needs precision.dtype fp32, bf16 or bf16-pure: the FP8 layers "
+                "scale each tensor themselves, and fp16's loss scaling on top is not "
+                "supported; use precision.dtype bf16")
         return self
 
 
