@@ -32,6 +32,7 @@ from zerotrain.config.run import (
     ZeroConfig,
 )
 from zerotrain.config.training import (
+    FP8Config,
     LossScaleConfig,
     OptimizerConfig,
     OptimizerName,
@@ -42,7 +43,7 @@ from zerotrain.config.tree import Config, idle_settings
 
 __all__ = [
     "LIBRARY_DEFAULTS", "CheckpointConfig", "CommConfig", "Config", "ConfigError",
-    "DataConfig", "FaultConfig", "LoggingConfig", "LossScaleConfig", "ModelConfig",
+    "DataConfig", "FP8Config", "FaultConfig", "LoggingConfig", "LossScaleConfig", "ModelConfig",
     "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig",
     "SpikeGuardConfig", "TrainConfig", "WandbConfig", "ZeroConfig", "build_config",
     "deep_merge", "idle_settings", "llama_intermediate_size", "load_config",

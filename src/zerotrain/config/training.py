@@ -137,6 +137,32 @@ class LossScaleConfig(_Section):
     on_min_scale: Literal["error", "clamp"] = "error"
 
 
+class FP8Config(_Section):
+    """FP8 compute for the blocks' linear layers (E4M3 forward, E5M2 gradients).
+
+    Which layers convert is the model's `Plan.fp8_linears`; master weights and the
+    optimizer are untouched (the layers cast their weights on the fly).
+    """
+
+    enabled: bool = False
+    recipe: Literal["tensorwise", "rowwise", "delayed"] = Field(
+        "tensorwise", description="scale per tensor, per row, or from an amax history")
+    amax_history: int = Field(16, ge=1, description="delayed: steps of amax history kept")
+    all_gather: bool = Field(False, description="ZeRO-3: all-gather the FP8 linears' "
+                             "weights in FP8 (1 byte/element) instead of the param dtype")
+    pow2_scales: bool = Field(True, description="round scales down to a power of two, so "
+                              "scaling and unscaling are exact")
+    matmul: Literal["auto", "scaled_mm", "emulate"] = Field(
+        "auto", description="auto: torch._scaled_mm on a CUDA device where it works, else "
+        "emulate (dequantise, multiply in fp32; on CPU _scaled_mm is no faster)")
+
+    @model_validator(mode="after")
+    def _gather_needs_fp8(self) -> FP8Config:
+        if self.all_gather and not self.enabled:
+            raise ValueError("precision.fp8.all_gather needs precision.fp8.enabled true")
+        return self
+
+
 class PrecisionConfig(_Section):
     dtype: Literal["fp32", "bf16", "fp16", "bf16-pure"] = "fp32"
     grad_accum_dtype: Literal["fp32", "compute"] = Field(
@@ -146,3 +172,13 @@ class PrecisionConfig(_Section):
         "fp32", description="dtype gradients are communicated in"
     )
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
+    fp8: FP8Config = Field(default_factory=FP8Config)
+
+    @model_validator(mode="after")
+    def _fp8_dtype(self) -> PrecisionConfig:
+        if self.fp8.enabled and self.dtype == "fp16":
+            raise ValueError(
+                "precision.fp8 needs precision.dtype fp32, bf16 or bf16-pure: the FP8 layers "
+                "scale each tensor themselves, and fp16's loss scaling on top is not "
+                "supported; use precision.dtype bf16")
+        return self

@@ -56,6 +56,9 @@ class Config(_Section):
                 "optimizer.name muon orthogonalises whole weight matrices, but zero.stage "
                 f"{self.zero.stage} gives each rank only a flat slice of them; use zero.stage 0"
             )
+        if self.precision.fp8.all_gather and self.zero.stage != 3:
+            raise ValueError("precision.fp8.all_gather gathers ZeRO-3's sharded weights; it "
+                             f"needs zero.stage 3 (got {self.zero.stage})")
         if s.decay_steps is not None and s.kind != "constant":
             end = (s.decay_start if s.decay_start is not None
                    else s.warmup_steps + s.hold_steps) + s.decay_steps
