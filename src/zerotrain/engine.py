@@ -36,6 +36,7 @@ from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
 from zerotrain.models import Group, Plan, plan_for
+from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.numerics.scaler import LossScaler
@@ -57,6 +58,7 @@ class StepInfo:
     loss_scale: float
     skipped_total: int
     spike: str | None = None  # why the spike guard skipped this step, if it did
+    fp8: dict | None = None   # FP8 overflow/underflow counts of this step, all ranks
 
 
 def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
@@ -101,6 +103,10 @@ class Engine(DeepSpeedAPI):
         )
         if weights is not None:
             self.strategy.load_weights(weights)
+        # FP8 layers share the parameters the strategy just laid out (nothing moves); their
+        # amax-history buffers are made on the device
+        self.fp8 = convert_to_fp8(model, self.plan, config.precision.fp8) \
+            if config.precision.fp8.enabled else None
         groups = self.strategy.param_groups(group_hyperparameters(config))
         self.optimizer = build_optimizer(config.optimizer, groups)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
@@ -134,6 +140,8 @@ class Engine(DeepSpeedAPI):
         self.phases.end(name)
 
     def train(self, mode: bool = True) -> Engine:
+        if mode and not self.module.training and self.fp8 is not None:
+            self.fp8.reset()  # an evaluation is no training step: forget its amaxes
         self.module.train(mode)
         return self
 
@@ -199,8 +207,20 @@ class Engine(DeepSpeedAPI):
         skipped_total = self.scaler.skipped + (self.spike_guard.skipped if self.spike_guard
                                                else 0)
         self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite or bool(spike),
-                                  scale, skipped_total, spike)
+                                  scale, skipped_total, spike, self._fp8_end_step())
         return self.last_info
+
+    def _fp8_end_step(self) -> dict | None:
+        """Roll the delayed recipe's histories (one MAX all-reduce of every layer's amax, so
+        all ranks keep the same scales) and collect the step's global counts."""
+        if self.fp8 is None:
+            return None
+
+        def reduce(op: str):
+            def f(t: torch.Tensor) -> None:
+                t.copy_(self.comm.all_reduce_scalars(t.double(), op=op).to(t))
+            return f
+        return self.fp8.end_step(reduce_max=reduce("max"), reduce_sum=reduce("sum"))
 
     def _spike(self, grad_norm: float) -> str | None:
         """The spike guard's verdict on this step (the mean loss is all-reduced first)."""

@@ -49,6 +49,8 @@ class Reporter:
                     "skip": rec["skipped_total"]}
             if show_scale:
                 post["scale"] = f"{rec['loss_scale']:g}"
+            if "fp8" in rec:  # saturated (overflowing) FP8 values: input/weight/grad
+                post["fp8 ovf"] = "/".join(str(v["overflow"]) for v in rec["fp8"].values())
             self.bar.set_postfix(post, refresh=False)
 
     def advance(self) -> None:

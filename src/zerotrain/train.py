@@ -282,6 +282,8 @@ def _log_step(run: Run, sinfo: StepInfo, loss: float, dt: float) -> float:
            "grad_norm": sinfo.grad_norm, "tokens_per_s": run.global_tokens / dt,
            "step_time_s": dt, "loss_scale": sinfo.loss_scale,
            "skipped_total": sinfo.skipped_total, "bytes_sent": eng.last_traffic_bytes[0]}
+    if sinfo.fp8 is not None:  # FP8 overflow/underflow counts per tensor class, this step
+        rec["fp8"] = sinfo.fp8
     run.report.train_step(rec, eng.policy.loss_scaling)
     return loss_avg
 

@@ -140,7 +140,8 @@ def consolidate(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     for unit in meta["layout"]["units"]:
         for name, shape, _off, _g in unit["params"]:
             weights[name] = saved.read("master", name, 0, math.prod(shape)).view(shape)
-    weights.update(saved.buffers())
+    # buffers, without FP8 layers' amax histories (training state, not part of the model)
+    weights.update({k: v for k, v in saved.buffers().items() if ".fp8_" not in k})
     return weights, meta
 
 
