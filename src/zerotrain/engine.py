@@ -100,6 +100,7 @@ class Engine(DeepSpeedAPI):
         self.strategy: Strategy = strategy_class(config.zero)(
             model, self.plan, self.policy, self.comm, config.zero, self.device,
             keep_shapes=not is_elementwise(config.optimizer.name), skip_init=weights is not None,
+            fp8_gather=config.precision.fp8.all_gather,
         )
         if weights is not None:
             self.strategy.load_weights(weights)

@@ -45,12 +45,13 @@ class Strategy(StrategyState):
 
     def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: Comm,
                  cfg: ZeroConfig, device: torch.device, keep_shapes: bool = False,
-                 skip_init: bool = False):
+                 skip_init: bool = False, fp8_gather: bool = False):
         """`keep_shapes`: hand the optimizer one tensor per parameter with its real shape
         (Muon needs matrices) instead of one flat run per (unit, group). `skip_init`:
         meta parameters are left at zero (pretrained weights are loaded next)."""
         self.model, self.plan, self.policy, self.comm, self.cfg = model, plan, policy, comm, cfg
         self.keep_shapes, self.skip_init = keep_shapes, skip_init
+        self.fp8_gather = fp8_gather  # ZeRO-3: gather the plan's FP8 weights in FP8
         self.device = device
         self.host = torch.device("cpu") if self.offload else device
         self.rank, self.world = comm.rank, comm.world_size
@@ -278,6 +279,10 @@ class Strategy(StrategyState):
         for u in self.units:
             self.publish(u)
         self.wait_pending()
+        self.after_publish()
+
+    def after_publish(self) -> None:
+        """Every rank holds the new weights (ZeRO-3 re-packs its FP8 gathers here)."""
 
     def zero_grad(self) -> None:
         for u in self.units:

@@ -71,6 +71,7 @@ class StrategyState:
             for u in self.units:
                 self.publish(u)
             self.wait_pending()
+        self.after_publish()
 
     # ================================================================ audit
     def tensors_by_category(self, optimizer_state: Iterable[dict] = ()

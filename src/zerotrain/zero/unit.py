@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -95,15 +96,21 @@ class ShardedUnit(Unit):
     state: UnitState = UnitState.GATHERED
     handle: Handle | None = field(default=None, repr=False)
     gathered_for_backward: bool = False
+    wire: Any = field(default=None, repr=False)  # zero.fp8_wire.Fp8Wire: gather in FP8
+    _wire: Any = field(default=None, repr=False)  # the wire of the gather in flight
 
-    def unshard(self, comm: Comm, async_op: bool = True) -> None:
-        """Start gathering the full parameters (a no-op unless SHARDED)."""
+    def unshard(self, comm: Comm, async_op: bool = True, exact: bool = False) -> None:
+        """Start gathering the full parameters (a no-op unless SHARDED). `exact`: the
+        parameter dtype's own values even when forward gathers in FP8 (`wire`)."""
         if self.state is not UnitState.SHARDED:
             return
+        wire = None if exact else self.wire
         st = self.params.untyped_storage()
         st.resize_(self.padded_numel * self.params.element_size())
         self.point_params_at(self.params)
-        self.handle = comm.all_gather(self.params, self.shard, async_op=async_op)
+        self._wire = wire
+        self.handle = (wire.start(comm, async_op) if wire is not None
+                       else comm.all_gather(self.params, self.shard, async_op=async_op))
         self.state = UnitState.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -113,6 +120,8 @@ class ShardedUnit(Unit):
             assert self.handle is not None
             self.handle.wait()
             self.handle = None
+            if self._wire is not None:
+                self._wire.unpack(self.params)
             self.state = UnitState.GATHERED
 
     def reshard(self) -> None:

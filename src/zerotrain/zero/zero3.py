@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from zerotrain.models.plan import unit_members
 from zerotrain.zero.flat import NamedParams
+from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
 from zerotrain.zero.unit import ShardedUnit
 from zerotrain.zero.zero2 import ZeRO2
 
@@ -49,6 +50,12 @@ class ZeRO3(ZeRO2):
             assert u.module is not None
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
+        if self.fp8_gather:
+            names = {f"{m}.weight" for m in self.plan.fp8_linears}
+            for u in self.units:
+                if not u.persistent and any(s.name in names for s in u.slots):
+                    u.wire = Fp8Wire(u, names, self.policy.param_dtype.itemsize)
+            self.after_publish()
 
     def make_units(self, named: NamedParams) -> list[tuple[str, NamedParams, dict]]:
         """The plan's blocks, plus a root unit for everything else."""
@@ -116,6 +123,11 @@ class ZeRO3(ZeRO2):
             u.reshard()
             u.gathered_for_backward = False
 
+    def after_publish(self) -> None:
+        if self.fp8_gather:
+            with torch.no_grad():
+                refresh_all(self.units, self.comm)
+
     def publish(self, u: ShardedUnit) -> None:
         self.write_master_into(u, u.shard)
         if u.persistent:
@@ -123,9 +135,9 @@ class ZeRO3(ZeRO2):
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
-        """Every unit gathered inside the block (all ranks must enter it together)."""
+        """Every unit gathered, exactly, inside the block (all ranks must enter it)."""
         for u in self.units:
-            u.unshard(self.comm, async_op=False)
+            u.unshard(self.comm, async_op=False, exact=True)
         try:
             yield
         finally:
