@@ -16,7 +16,7 @@ import pytest
 
 from zerotrain.cli import main
 from zerotrain.config import build_config
-from zerotrain.lr_find import BETA, DIVERGE_FACTOR, RangeTest, lr_find, ramp_lr
+from zerotrain.lr_find import DIVERGE_FACTOR, RangeTest, beta_for, lr_find, ramp_lr
 
 TESTS = Path(__file__).parent
 
@@ -49,15 +49,17 @@ def test_smoothing_stop_and_suggestion_match_a_reference():
     # falls, flattens, then climbs steeply: a range test's shape, with noise
     losses = [5.0 - 3.0 * min(i, 30) / 30 + max(0, i - 40) ** 2 * 0.05 + rng.normal(0, 0.05)
               for i in range(80)]
-    ref = _reference_smoothing(losses, BETA)
+    beta = beta_for(80)
+    assert beta == pytest.approx(0.875)  # remembers 8 of the 80 steps
+    ref = _reference_smoothing(losses, beta)
     stop = next(i for i in range(len(ref)) if ref[i] > DIVERGE_FACTOR * min(ref[:i + 1]))
-    test = RangeTest()
+    test = RangeTest(beta=beta)
     lrs = [ramp_lr(i, 1e-4, 1.0, 80) for i in range(80)]
     stopped_at = next(i for i in range(80) if test.add(lrs[i], losses[i]))
     assert stopped_at == stop < 79
     assert "exceeds 2x its lowest value" in test.stop_reason
     np.testing.assert_allclose(test.smoothed, ref[:stop + 1], rtol=1e-12)
-    z = _reference_zero_lag(losses[:stop + 1], BETA)
+    z = _reference_zero_lag(losses[:stop + 1], beta)
     np.testing.assert_allclose(test.zero_lag(), z, rtol=1e-12)
     best = int(np.argmin(z))
     threshold = z[best] + 0.05 * (z[0] - z[best])
@@ -70,7 +72,7 @@ def test_the_lag_free_curve_finds_the_minimum_where_it_is():
     # a noiseless bowl in log lr with its bottom at step 50: the running average's minimum
     # lands several steps late, the forward-backward one at the bottom
     losses = [3.0 + 0.002 * (i - 50) ** 2 for i in range(100)]
-    test = RangeTest()
+    test = RangeTest(beta=beta_for(100))
     for i, loss in enumerate(losses):
         if test.add(ramp_lr(i, 1e-5, 1.0, 100), loss):
             break
@@ -127,7 +129,8 @@ def test_range_test_diverges_stops_and_leaves_the_run_folder_alone(tmp_path, cap
     assert r["diverged"] and r["steps_run"] < RAMP["steps"]
     assert len(r["losses"]) == r["steps_run"] - 1  # the first loss is the untrained model's
     assert r["smoothed"] == pytest.approx(_reference_zero_lag(r["losses"][:len(r["smoothed"])],
-                                                              BETA), rel=1e-12)
+                                                              r["beta"]), rel=1e-12)
+    assert r["beta"] == beta_for(RAMP["steps"]) == 0.75
     assert r["suggested_lr"] < r["lr_at_min"] == r["lrs"][int(np.argmin(r["smoothed"]))]
     # the engine used the ramp: each logged step's lr is the ramp's
     recs = [json.loads(x) for x in (run / "lr-find" / "metrics.jsonl").read_text().splitlines()
@@ -136,7 +139,8 @@ def test_range_test_diverges_stops_and_leaves_the_run_folder_alone(tmp_path, cap
                                [ramp_lr(x["step"] - 1, **RAMP) for x in recs], rtol=1e-12)
     assert json.loads((run / "lr-find" / "lr_find.json").read_text()) == r
     assert (run / "lr-find" / "lr_find.png").stat().st_size > 1000
-    assert "suggested peak lr" in out and "(the start of the valley" in out
+    assert f"suggested peak lr {r['suggested_lr']:.3g} (configured optimizer.lr 0.001)" in out
+    assert "rule: the start of the valley, the smallest lr at which" in out
     assert f"stopped after {r['steps_run']} of 40 steps" in out
     # nothing saved, the run folder untouched; a second test replaces the first
     assert (run / "metrics.jsonl").read_text() == '{"type": "train", "step": 1}\n'
@@ -184,7 +188,7 @@ def test_two_ranks_zero2_match_one_rank(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "2"], "--steps must be at least 5"),
+    (["--steps", "9"], "--steps must be at least 10"),
     (["--steps", "ten"], "--steps must be a whole number"),
     (["--start-lr", "0"], "--start-lr must be a positive number"),
     (["--start-lr", "abc"], "--start-lr must be a number"),
@@ -193,6 +197,7 @@ def test_two_ranks_zero2_match_one_rank(tmp_path):
     (["--nproc", "0"], "--nproc must be >= 1"),
     (["--steps"], "--steps needs a value"),
     (["--optimizer.lrr", "3"], "unknown config key 'optimizer.lrr'"),
+    (["--resume"], "--resume is a train option"),
 ])
 def test_bad_input_is_one_error_line(argv, message, capsys, tmp_path):
     code = main(["lr-find", "--logging.run_dir", str(tmp_path / "r"), *argv])

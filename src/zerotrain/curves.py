@@ -58,7 +58,7 @@ def plot_curves(series: Series, path: Path, baseline: float, baseline_label: str
     a1.legend()
     a2.axhline(0.0, c="gray", lw=0.8)
     a2.plot(*series["gap"], "o-", c="C3")
-    a2.set_ylabel("val − train\n(nats/token)")
+    a2.set_ylabel("gap: val − train", fontsize=9)
     if series["lr_schedule"][0]:
         a3.plot(*series["lr_schedule"], c="C2", label="schedule")
     a3.plot(*series["lr_logged"], ".", c="C2", ms=3, alpha=0.6, label="logged")

@@ -13,11 +13,12 @@ The rules (printed by the command and written into lr_find.json):
   loss a step reports is computed before its own update, so it shows the effect of the
   lrs before it. The loss is the mean over ranks.
 - **Smoothing** (`SMOOTHING`). While the test runs: an exponential moving average of
-  the loss with β = 0.9 (about ten steps of memory), divided by 1 − β^t so the first
-  values are not pulled toward zero. That average lags the lr by about nine steps (on
-  100 steps over five decades, a factor 2.8 in lr), so once the test is over the
-  suggestion and the plot use the same average run forward and then backward over the
-  finished curve, which has no lag.
+  the loss with β = 1 − 10/N, which remembers about a tenth of the ramp (β = 0.9 for
+  the default 100 steps), so any --steps smooths over the same span of lr; it is divided
+  by 1 − β^t so the first values are not pulled toward zero. That average lags the lr
+  (by nine steps of 100 over five decades, a factor 2.8 in lr), so once the test is
+  over the suggestion and the plot use the same average run forward and then backward
+  over the finished curve, which has no lag.
 - **Divergence** (`DIVERGENCE`). The test stops when a loss is not finite, or the
   running smoothed loss exceeds 2× its lowest value so far: the lr is then far beyond
   anything a run could use, and further steps only cost time. A language model's loss
@@ -30,9 +31,12 @@ The rules (printed by the command and written into lr_find.json):
   the loss diverges; a run's peak is the largest lr that still clearly pays, with the
   warmup and decay around it keeping it off the edge. Not the minimum (or a fraction of
   it): a language model's valley is often flat over a decade or more, so noise decides
-  where its lowest point lies (on the tests' tiny models, a tenth of the minimum moved
-  6–12× across seeds, the valley's start 2×). Not the steepest descent: the derivative
-  of a noisy curve, it moved by 14× between two tests of the main job's config.
+  where its lowest point lies (over four seeds on the tests' tiny models, 100 steps:
+  the valley's start moved at most 2×, its lowest point up to 6×, a tenth of the
+  running average's minimum up to 12×). Not the steepest descent: the derivative of a
+  noisy curve, it moved 14× between a 60-step and a 100-step test of the main job's
+  config, where the valley's start gave 2.9e-3 and 2.1e-3 (optimizer.lr is 3e-3; in
+  that job's 420 steps, 3e-3 reached validation loss 1.82 and 1e-3 1.98).
 """
 
 from __future__ import annotations
@@ -45,16 +49,17 @@ from typing import Any
 
 from zerotrain.config import Config, ConfigError, build_config
 
-BETA = 0.9
+MEMORY = 0.1  # the running average remembers this fraction of the ramp
 DIVERGE_FACTOR = 2.0
 FALL_DONE = 0.95
-MIN_STEPS = 5
-SMOOTHING = (f"exponential moving average of the loss, beta {BETA}, bias-corrected "
-             "(divided by 1 - beta^t); after the test, run forward then backward (no lag)")
+MIN_STEPS = 10
+SMOOTHING = ("exponential moving average of the loss remembering a tenth of the ramp (beta = "
+             "1 - 10/steps), bias-corrected (divided by 1 - beta^t); after the test, run "
+             "forward then backward (no lag)")
 DIVERGENCE = (f"a non-finite loss, or the running smoothed loss above {DIVERGE_FACTOR:g}x "
               "its lowest value so far")
-SUGGESTION = (f"the smallest lr where the smoothed loss has made {FALL_DONE:.0%} of its fall "
-              "to its lowest value (the start of the valley)")
+SUGGESTION = (f"the start of the valley, the smallest lr at which the smoothed loss has made "
+              f"{FALL_DONE:.0%} of its fall to its lowest value")
 
 
 def check_range(start_lr: float, end_lr: float, steps: int) -> None:
@@ -64,8 +69,13 @@ def check_range(start_lr: float, end_lr: float, steps: int) -> None:
     if not (math.isfinite(end_lr) and end_lr > start_lr):
         raise ConfigError(f"--end-lr ({end_lr}) must be larger than --start-lr ({start_lr})")
     if steps < MIN_STEPS:
-        raise ConfigError(f"--steps must be at least {MIN_STEPS} (a ramp needs several points "
+        raise ConfigError(f"--steps must be at least {MIN_STEPS} (a ramp needs enough points "
                           f"to smooth), got {steps}")
+
+
+def beta_for(steps: int) -> float:
+    """The running average's β for a ramp of `steps` points: memory 1/(1−β) = steps/10."""
+    return max(0.0, 1.0 - 1.0 / (MEMORY * steps))
 
 
 def ramp_lr(step: int, start_lr: float, end_lr: float, steps: int) -> float:
@@ -78,7 +88,7 @@ def ramp_lr(step: int, start_lr: float, end_lr: float, steps: int) -> float:
 class RangeTest:
     """The points of a range test, their smoothing, and the stop and suggestion rules."""
 
-    beta: float = BETA
+    beta: float = 0.9  # beta_for(100)
     factor: float = DIVERGE_FACTOR
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -98,8 +108,8 @@ class RangeTest:
         self.smoothed.append(s)
         best = min(self.smoothed)
         if s > self.factor * best:
-            self.stop_reason = (f"the smoothed loss {s:.4g} at lr {lr:.3g} exceeds "
-                                f"{self.factor:g}x its lowest value {best:.4g}")
+            self.stop_reason = (f"the running average of the loss, {s:.4g} at lr {lr:.3g}, "
+                                f"exceeds {self.factor:g}x its lowest value {best:.4g}")
             return True
         return False
 
@@ -173,7 +183,7 @@ def lr_find(cfg: Config, *, start_lr: float = 1e-5, end_lr: float = 1.0,
     report.say(f"[zerotrain] lr-find: lr from {start_lr:g} to {end_lr:g} over {steps} steps "
                f"(exponential), {run.dist.world_size} rank(s), {eng.strategy.name}; no "
                f"checkpoints; output in {run.run_dir}")
-    test, prev_lr, first_loss = RangeTest(), None, math.nan
+    test, prev_lr, first_loss = RangeTest(beta=beta_for(steps)), None, math.nan
     while eng.global_step < steps:
         sinfo, loss, dt = train_step(run)
         loss = float(eng.comm.all_reduce_scalars([loss])[0]) / run.dist.world_size
@@ -208,7 +218,8 @@ def _result(test: RangeTest, cfg: Config, start_lr: float, end_lr: float, steps:
         "type": "lr_find", "start_lr": start_lr, "end_lr": end_lr, "steps": steps,
         "steps_run": steps_run, "diverged": test.stop_reason is not None,
         "stop_reason": test.stop_reason, "initial_loss": first_loss,
-        "smoothing": SMOOTHING, "divergence": DIVERGENCE, "rule": SUGGESTION,
+        "smoothing": SMOOTHING, "beta": test.beta, "divergence": DIVERGENCE,
+        "rule": SUGGESTION,
         "lr_at_min": None if i is None else test.lrs[i],
         "min_smoothed_loss": None if i is None else z[i],
         "suggested_lr": test.suggestion(), "configured_lr": cfg.optimizer.lr,
@@ -232,11 +243,12 @@ def summary_lines(result: dict[str, Any], out_dir: Path) -> list[str]:
     else:
         last = r["lr_at_min"] == r["lrs"][len(r["smoothed"]) - 1]
         lines.append(
-            f"{p} suggested peak lr {r['suggested_lr']:.3g} ({r['rule']}; lowest smoothed "
-            f"loss {r['min_smoothed_loss']:.4f} at lr {r['lr_at_min']:.3g}); configured "
-            f"optimizer.lr {r['configured_lr']:g}"
+            f"{p} suggested peak lr {r['suggested_lr']:.3g} (configured optimizer.lr "
+            f"{r['configured_lr']:g}); valley floor: smoothed loss "
+            f"{r['min_smoothed_loss']:.4f} at lr {r['lr_at_min']:.3g}"
             + ("; the loss was still falling at the end of the ramp: raise --end-lr to see "
                "the valley" if last else ""))
+        lines.append(f"{p} rule: {r['rule']}")
     lines.append(f"{p} plot {out_dir / 'lr_find.png'}, data {out_dir / 'lr_find.json'}")
     return lines
 
@@ -257,7 +269,7 @@ def plot_range_test(result: dict[str, Any], path: Path) -> None:
     ax.plot(r["lrs"][:len(r["smoothed"])], r["smoothed"], c="C0", label="smoothed loss")
     if r["suggested_lr"] is not None:
         ax.plot([r["lr_at_min"]], [r["min_smoothed_loss"]], "o", c="C3",
-                label=f"lowest smoothed loss (lr {r['lr_at_min']:.3g})")
+                label=f"valley floor (lr {r['lr_at_min']:.3g})")
         ax.axvline(r["suggested_lr"], c="C2", ls="--",
                    label=f"suggested peak lr {r['suggested_lr']:.3g}")
     ax.axvline(r["configured_lr"], c="gray", ls=":",

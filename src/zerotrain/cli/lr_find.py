@@ -66,8 +66,12 @@ def main_lr_find(argv: list[str]) -> int:
         print(help_text())
         return 0
     flags = {"--config": True, "--nproc": True, "--deepspeed": True, "--start-lr": True,
-             "--end-lr": True, "--steps": True}
+             "--end-lr": True, "--steps": True, "--resume": True, "--max-restarts": True}
     opts, overrides = _split_known(argv, flags)
+    for flag in ("--resume", "--max-restarts"):
+        if flag in opts:
+            raise UsageError(f"{flag} is a train option; lr-find always starts from the "
+                             "configured model's initial (or model.hf pretrained) weights")
     for flag, value in opts.items():
         if value == "":
             raise UsageError(f"{flag} needs a value (see 'zerotrain lr-find --help')")
