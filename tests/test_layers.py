@@ -27,6 +27,9 @@ LAYERS = {
     "zerotrain.trackers": APP,  # metrics to jsonl / csv / TensorBoard / W&B
     "zerotrain.run_dir": APP,  # one run per folder; what --resume means
     "zerotrain.lifecycle": APP,  # preemption, dying with the launcher, fault injection
+    "zerotrain.lr_find": APP,  # the learning-rate range test
+    "zerotrain.fit": APP,  # the train-validation gap and its verdict
+    "zerotrain.curves": APP,  # what curves.png shows
     "zerotrain.engine": 5,
     "zerotrain.engine_api": 5,  # the DeepSpeed-style methods beside the engine
     "zerotrain.checkpoint": 4,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +123,8 @@ class Engine(DeepSpeedAPI):
         self.phases.end("init")
         self.last_traffic: dict = {}
         self.last_traffic_bytes = (0, 0)
+        # step -> lr replacing the schedule (lr-find's ramp); None: the configured schedule
+        self.lr_override: Callable[[int], float] | None = None
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -153,6 +155,8 @@ class Engine(DeepSpeedAPI):
         return (self.micro_step + 1) % self.accum == 0
 
     def lr_at(self, step: int) -> float:
+        if self.lr_override is not None:
+            return self.lr_override(step)
         return lr_from_config(step, self.config.schedule, self.config.optimizer.lr,
                               self.config.train.steps)
 

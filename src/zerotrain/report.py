@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 from zerotrain.config import Config
+from zerotrain.curves import Series, curve_series, plot_curves
+from zerotrain.optim.schedule import lr_from_config
 from zerotrain.trackers import make_trackers
 
 
@@ -19,7 +20,7 @@ class Reporter:
 
     def __init__(self, cfg: Config, run_dir: Path, rank: int, start_step: int,
                  resume_step: int | None):
-        self.run_dir, self.enabled = run_dir, rank == 0
+        self.run_dir, self.enabled, self.cfg = run_dir, rank == 0, cfg
         # every configured backend (jsonl, csv, TensorBoard, W&B); nothing off rank 0
         self.log = make_trackers(cfg, run_dir, rank, resume_step)
         self.bar = None
@@ -67,32 +68,19 @@ class Reporter:
         self.close_bar()
         self.log.close()
 
+    def curve_data(self) -> Series:
+        """What curves.png shows; its lr line is the schedule at every step."""
+        c = self.cfg
+
+        def lr(step: int) -> float:
+            return lr_from_config(step, c.schedule, c.optimizer.lr, c.train.steps)
+
+        return curve_series(self.log.records, lr, c.train.steps)
+
     def plot(self, baseline: float, baseline_label: str) -> None:
         if self.enabled and self.log.records:
-            plot_curves(self.log.records, self.run_dir / "curves.png", baseline, baseline_label)
-
-
-def plot_curves(records: list[dict[str, Any]], path: Path, baseline: float,
-                baseline_label: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tr = [r for r in records if r["type"] == "train"]
-    va = [r for r in records if r["type"] == "val"]
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    a1.plot([r["step"] for r in tr], [r["loss"] for r in tr], label="train")
-    a1.plot([r["step"] for r in va], [r["val_loss"] for r in va], "o-", label="validation")
-    a1.axhline(baseline, ls=":", c="gray", label=baseline_label)
-    a1.set_ylabel("loss (nats/token)")
-    a1.legend()
-    a2.plot([r["step"] for r in tr], [r["lr"] for r in tr], c="C2")
-    a2.set_ylabel("learning rate")
-    a2.set_xlabel("optimizer step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            plot_curves(self.curve_data(), self.run_dir / "curves.png", baseline,
+                        baseline_label)
 
 
 def uniform_baseline(vocab_size: int) -> tuple[float, str]:

@@ -26,6 +26,7 @@ from zerotrain.data.errors import DataError
 from zerotrain.data.sampler import WindowSampler, eval_batches
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
 from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
+from zerotrain.fit import diagnose
 from zerotrain.lifecycle import Interrupted, Preemption, maybe_inject_fault, restart_count
 from zerotrain.memory import activation_bytes, activation_dtype_bytes
 from zerotrain.models import build_model, pretrained_weights, resolve_model_config
@@ -383,6 +384,8 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
         "checkpoint": str(ckpt), "world_size": run.dist.world_size,
         "strategy": eng.strategy.name,
     }
+    fit = diagnose(report.log.records)  # the train–validation gap, its trend, a verdict
+    summary.update(fit.record())
     report.record(summary)
     baseline, label = uniform_baseline(cfg.model.vocab_size)
     if cfg.logging.plot:
@@ -393,8 +396,9 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     fv = f"{first_val:.4f} -> " if first_val is not None else ""
     report.say(f"[zerotrain] validation loss {fv}{final_val:.4f} ({label.split(' (')[0]} = "
                f"{baseline:.4f}), {bits_per_byte(final_val, run.val_bpt):.4f} bits/byte; "
-               f"{steps_run} steps in {elapsed:.1f}s; checkpoint {ckpt}; "
+               f"{fit.gap_text()}; {steps_run} steps in {elapsed:.1f}s; checkpoint {ckpt}; "
                f"metrics {run.run_dir / 'metrics.jsonl'}")
+    report.say(fit.line())
     report.close()
     barrier()
     eng.close()
