@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# The main job is a demo: each `make train` starts it afresh in runs/default.
 train: $(STAMP)
-	$(BIN)/zerotrain train --config configs/default.yaml --nproc 2
+	$(BIN)/zerotrain train --config configs/default.yaml --nproc 2 --logging.overwrite true
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -178,9 +178,13 @@ def test_two_ranks_zero2_match_one_rank(tmp_path):
     assert main(["lr-find", "--logging.run_dir", str(tmp_path / "one"),
                  "--data.grad_accum_steps", "2", *flags]) == 0
     r1 = json.loads((tmp_path / "one" / "lr-find" / "lr_find.json").read_text())
-    # the same global batch at any world size: the same curve, up to summation order
+    # the same global batch at any world size: the same curve, up to summation order —
+    # which a diverging run (lr near 10, loss far above its start) amplifies, so the
+    # points past the bottom of the valley are compared more loosely
     assert r2["lrs"] == r1["lrs"] and r2["steps_run"] == r1["steps_run"]
-    np.testing.assert_allclose(r2["losses"], r1["losses"], rtol=1e-5)
+    stable = int(np.argmin(r1["losses"])) + 1  # up to the bottom of the valley
+    np.testing.assert_allclose(r2["losses"][:stable], r1["losses"][:stable], rtol=1e-5)
+    np.testing.assert_allclose(r2["losses"], r1["losses"], rtol=1e-3)
     assert r2["suggested_lr"] == r1["suggested_lr"]
 
 
