@@ -59,6 +59,17 @@ def _numeric(annotation: Any) -> bool:
     return annotation in (int, float)
 
 
+def _bool_or_auto(v: Any, field: str) -> bool | str:
+    """"auto", or anything pydantic reads as a bool (true/1/yes/on ...), with one message
+    for a bad value instead of pydantic's one per member of the union."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        return TypeAdapter(bool).validate_python(v)
+    except ValidationError:
+        raise ValueError(f"{field} must be true, false or auto, got {v!r}") from None
+
+
 #: What each model family takes for a field left null (`_family_defaults` applies them).
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt": {"bias": True, "tie_weights": True},
@@ -235,14 +246,7 @@ class OptimizerConfig(_Section):
     @field_validator("compile", mode="before")
     @classmethod
     def _compile_choice(cls, v: Any) -> bool | str:
-        # "auto", or anything pydantic reads as a bool (true/1/yes/on ...), with one message
-        # for a bad value instead of pydantic's one per member of the union
-        if isinstance(v, str) and v.strip().lower() == "auto":
-            return "auto"
-        try:
-            return TypeAdapter(bool).validate_python(v)
-        except ValidationError:
-            raise ValueError(f"optimizer.compile must be true, false or auto, got {v!r}") from None
+        return _bool_or_auto(v, "optimizer.compile")
 
     @field_validator("grad_clip")
     @classmethod
@@ -329,6 +333,15 @@ class PrecisionConfig(_Section):
         "fp32", description="dtype gradients are communicated in"
     )
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
+    tf32: bool | Literal["auto"] = Field(
+        "auto", description="fp32 matrix multiplies on TF32 tensor cores "
+        "(torch.set_float32_matmul_precision('high')), about 8x faster on A100/H100 at a "
+        "10-bit mantissa; auto: on for precision.dtype fp32 on CUDA, untouched otherwise")
+
+    @field_validator("tf32", mode="before")
+    @classmethod
+    def _tf32_choice(cls, v: Any) -> bool | str:
+        return _bool_or_auto(v, "precision.tf32")
 
 
 class ZeroConfig(_Section):
@@ -359,7 +372,14 @@ class CommConfig(_Section):
     )
     ring_min_mb: float = Field(2.0, gt=0.0, description="auto: smallest buffer for the ring")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: int = Field(600, ge=10)
+    timeout_s: int = Field(
+        120, ge=10, description="how long a collective may wait for the other ranks before "
+        "the job fails with an error naming this setting (a stuck rank, or ranks that ran "
+        "different collectives: see check_lockstep); one rank's data preparation is exempt")
+    check_lockstep: bool = Field(
+        False, description="debug: before every collective, check across ranks that all "
+        "run the same one (sequence number, operation, size); a mismatch is an error naming "
+        "the ranks, not a hang. One small extra all-gather per collective")
 
 
 class CheckpointConfig(_Section):

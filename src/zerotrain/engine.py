@@ -19,7 +19,6 @@ in `engine_api.py`.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,13 +29,13 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Comm
-from zerotrain.comm.dist import init_distributed, launched_by_torchrun, pick_device
+from zerotrain.comm.dist import bind_device, init_distributed, launched_by_torchrun
 from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.models import Group, Plan, plan_for
 from zerotrain.numerics.guard import SpikeGuard
-from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32
 from zerotrain.numerics.scaler import LossScaler
 from zerotrain.optim import build_optimizer, is_elementwise
 from zerotrain.optim.schedule import describe, lr_from_config, schedule_kwargs
@@ -79,10 +78,17 @@ class Engine(DeepSpeedAPI):
                  plan: Plan | None = None):
         self.config = config
         self.policy = PrecisionPolicy.from_config(config.precision)
+        # this rank's device, current before anything (the Comm's NCCL device included)
+        if device is None:
+            device = bind_device(config.train.device)
+        elif device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.device = device
+        apply_tf32(config.precision.tf32, device, config.precision.dtype)
         self.comm = Comm(config.comm.algorithm,
-                         ring_min_bytes=int(config.comm.ring_min_mb * 2**20))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = device or pick_device(config.train.device, local_rank)
+                         ring_min_bytes=int(config.comm.ring_min_mb * 2**20),
+                         check_lockstep=config.comm.check_lockstep,
+                         timeout_s=config.comm.timeout_s)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self.plan = plan or plan_for(model)
@@ -91,7 +97,8 @@ class Engine(DeepSpeedAPI):
             keep_shapes=not is_elementwise(config.optimizer.name),
         )
         groups = self.strategy.param_groups(group_hyperparameters(config))
-        self.optimizer = build_optimizer(config.optimizer, groups)
+        self.optimizer = build_optimizer(config.optimizer, groups,
+                                         agree=self.comm.any if self.world_size > 1 else None)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps
         self.micro_step = 0
