@@ -59,6 +59,18 @@ def test_a_mismatched_forward_is_named_not_hung():
         assert res["seconds"] < 60
 
 
+def test_the_message_names_every_rank_that_differs():
+    from zerotrain.comm.lockstep import Lockstep, fingerprint
+
+    ls = Lockstep(None, torch.device("cpu"), 0, 3)
+    same = fingerprint(7, "all_gather", "params", 4096, torch.bfloat16)
+    odd = fingerprint(7, "all_to_all", "muon", 10, torch.float32)
+    msg = ls.message([same, same, odd])
+    assert "rank(s) 2 differ from rank 0" in msg
+    assert "rank 0: all_gather(params) of 4,096 bfloat16 elements [collective #7]" in msg
+    assert "rank 2: all_to_all(muon) of 10 float32 elements [collective #7]" in msg
+
+
 def _matching_ranks_pass() -> list[int]:
     comm = Comm("native", check_lockstep=True)
     comm.all_reduce(torch.ones(3))

@@ -100,9 +100,10 @@ class Handle:
             try:
                 self._work.wait()
             except RuntimeError as e:
-                if self._explain is None:
+                better = self._explain(e) if self._explain is not None else e
+                if better is e:
                     raise
-                raise self._explain(e) from e
+                raise better from e
             self._work = None
         if self._done is not None:
             self._done.wait()
@@ -208,7 +209,10 @@ class Comm:
         try:
             return fn()
         except RuntimeError as e:
-            raise self._explain(op)(e) from e
+            better = self._explain(op)(e)
+            if better is e:
+                raise
+            raise better from e
 
     def _native(self, fn: Callable[..., object], name: str, *args: object,
                 async_op: bool, **kw: object) -> Handle:

@@ -22,8 +22,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_scalars")
-PURPOSES = ("grads", "params", "control", "other")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_scalars", "all_to_all",
+       "scatter", "broadcast")
+PURPOSES = ("grads", "params", "control", "other", "muon")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
           torch.int32, torch.uint8, torch.int8, torch.bool)
 FIELDS = 5  # sequence number, operation, purpose, elements, dtype
@@ -43,7 +44,7 @@ def _code(name: str) -> int:
 
 def fingerprint(seq: int, op: str, purpose: str, numel: int, dtype: torch.dtype) -> list[int]:
     d = DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
-    return [seq, OPS.index(op), _code(purpose), int(numel), d]
+    return [seq, OPS.index(op) if op in OPS else len(OPS), _code(purpose), int(numel), d]
 
 
 def describe(row: list[int], purposes: dict[int, str]) -> str:
@@ -51,7 +52,8 @@ def describe(row: list[int], purposes: dict[int, str]) -> str:
     seq, op, purpose, numel, d = row
     dtype = str(DTYPES[d]).removeprefix("torch.") if d < len(DTYPES) else "other-dtype"
     name = purposes.get(purpose, f"purpose #{purpose}")
-    return f"{OPS[op]}({name}) of {numel:,} {dtype} elements [collective #{seq}]"
+    what = OPS[op] if op < len(OPS) else "another collective"
+    return f"{what}({name}) of {numel:,} {dtype} elements [collective #{seq}]"
 
 
 class Lockstep:
