@@ -80,7 +80,13 @@ def environment(dry: bool) -> dict:
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())] \
         if cuda else []
     cap = torch.cuda.get_device_capability(0) if gpus else None
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    nccl = None
+    if cuda:
+        try:  # a tuple on recent torch, an int on old ones
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # no NCCL in this build: the stages section will say more
+            nccl = f"unknown ({type(e).__name__})"
     fp8_module = _has_module("zerotrain.numerics.fp8_linear")
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
             "python": platform.python_version(), "gpus": [g.name for g in gpus],
