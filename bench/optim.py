@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.optim import AdamW, functional
+from zerotrain.optim import AdamW, batching
 
 BYTES_PER_PARAM = 28
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
@@ -117,7 +117,7 @@ def bench_size(n: int, repeats: int, warmup: int) -> list[dict]:
             v["opt"].step()
             v["warmup_s"] += time.perf_counter() - t0
     for v in vs:
-        if "compiled" in v["name"] and functional._COMPILE_BROKEN:
+        if "compiled" in v["name"] and batching.compile_broken():
             v["name"] += " (compile failed: eager)"
     for r in range(repeats):
         for v in vs if r % 2 == 0 else vs[::-1]:
@@ -170,7 +170,7 @@ def main() -> None:
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(),
                 cores=os.cpu_count(), load_average=load, machine=platform.machine(),
                 bytes_per_param=BYTES_PER_PARAM,
-                block_elements=functional.BLOCK_ELEMENTS, hyper=dict(HYPER, weight_decay=WD))
+                block_elements=batching.BLOCK_ELEMENTS, hyper=dict(HYPER, weight_decay=WD))
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     print(f"\nwrote {out}")
 

@@ -82,7 +82,16 @@ def _compare(ring: torch.Tensor, native: torch.Tensor, local: torch.Tensor, n: i
 def _ring_vs_native() -> dict:
     """Every check for one world size, in one spawn (spawning costs seconds)."""
     r, n = dist.get_rank(), dist.get_world_size()
-    out: dict = {"all_reduce": [], "reduce_scatter": [], "all_gather": [], "misc": {}}
+    out: dict = {"all_reduce": [], "reduce_scatter": [], "all_gather": [], "misc": {},
+                 "p2p_batches": []}
+    real_batch = dist.batch_isend_irecv
+
+    def batch(ops):  # what each ring step hands to torch, as ("recv"?, "send"?)
+        out["p2p_batches"].append(tuple(sorted(
+            "send" if op.op is dist.isend else "recv" for op in ops)))
+        return real_batch(ops)
+
+    dist.batch_isend_irecv = batch
     salt = 0
     for dtype in (torch.float32, torch.bfloat16):
         # all-reduce: empty, smaller than N, not divisible by N, divisible by N
@@ -180,6 +189,18 @@ def _ring_vs_native() -> dict:
 def world(request) -> tuple[int, list[dict]]:
     n = request.param
     return n, run_ranks(_ring_vs_native, n)
+
+
+@pytest.mark.slow
+def test_each_step_posts_its_send_and_receive_as_one_batch(world):
+    """The ring over NCCL needs the send to r+1 and the receive from r-1 of a step
+    posted together (batch_isend_irecv); as separate isend/irecv they serialise on one
+    stream and every rank waits for its neighbour forever (review H1)."""
+    _, ranks = world
+    for res in ranks:
+        kinds = set(res["p2p_batches"])
+        assert ("recv", "send") in kinds, kinds
+        assert kinds <= {("recv", "send"), ("send",), ("recv",)}, kinds
 
 
 @pytest.mark.slow

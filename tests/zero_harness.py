@@ -26,7 +26,7 @@ BASE = {
     "optimizer": {"lr": 1e-2, "grad_clip": 0.3},
     "schedule": {"warmup_steps": 3, "min_lr": 1e-3},
     "zero": {"bucket_mb": 0.02},
-    "comm": {"algorithm": "native"},
+    "comm": {"algorithm": "native", "check_lockstep": True},  # a mismatch: an error, not a hang
     "train": {"steps": 20, "device": "cpu"},
 }
 

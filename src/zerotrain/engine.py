@@ -19,7 +19,6 @@ in `engine_api.py`.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Comm
-from zerotrain.comm.dist import init_distributed, launched_by_torchrun, pick_device
+from zerotrain.comm.dist import bind_device, init_distributed, launched_by_torchrun
 from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
@@ -38,7 +37,7 @@ from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
 from zerotrain.models import Group, Plan, plan_for
 from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
-from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32
 from zerotrain.numerics.scaler import LossScaler
 from zerotrain.optim import build_optimizer, is_elementwise, state_bytes_per_param
 from zerotrain.optim.schedule import describe, lr_from_config, schedule_kwargs
@@ -87,13 +86,20 @@ class Engine(DeepSpeedAPI):
         (ZeRO-3: one unit at a time, keeping only this rank's shard). `weights`: pretrained
         values, read slice by slice (`read(name, start, stop)`), instead of initial ones."""
         self.config = config
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = device or pick_device(config.train.device, local_rank)
+        # this rank's device, current before anything (the Comm's NCCL device included)
+        if device is None:
+            device = bind_device(config.train.device)
+        elif device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.device = device
         self.phases = PhasePeaks(self.device)  # peaks of init, forward, backward, step, save
         self.phases.begin()
         self.policy = PrecisionPolicy.from_config(config.precision)
+        apply_tf32(config.precision.tf32, device, config.precision.dtype)
         self.comm = Comm(config.comm.algorithm,
-                         ring_min_bytes=int(config.comm.ring_min_mb * 2**20))
+                         ring_min_bytes=int(config.comm.ring_min_mb * 2**20),
+                         check_lockstep=config.comm.check_lockstep,
+                         timeout_s=config.comm.timeout_s)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self.plan = plan or plan_for(model)
@@ -109,7 +115,8 @@ class Engine(DeepSpeedAPI):
         self.fp8 = convert_to_fp8(model, self.plan, config.precision.fp8) \
             if config.precision.fp8.enabled else None
         groups = self.strategy.param_groups(group_hyperparameters(config))
-        self.optimizer = build_optimizer(config.optimizer, groups)
+        self.optimizer = build_optimizer(config.optimizer, groups,
+                                         agree=self.comm.any if self.world_size > 1 else None)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps
         self.micro_step = 0

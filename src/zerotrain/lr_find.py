@@ -186,7 +186,7 @@ def lr_find(cfg: Config, *, start_lr: float = 1e-5, end_lr: float = 1.0,
     test, prev_lr, first_loss = RangeTest(beta=beta_for(steps)), None, math.nan
     while eng.global_step < steps:
         sinfo, loss, dt = train_step(run)
-        loss = float(eng.comm.all_reduce_scalars([loss])[0]) / run.dist.world_size
+        loss = float(eng.comm.all_reduce_scalars(loss.reshape(1))[0]) / run.dist.world_size
         report.train_step({"type": "train", "step": eng.global_step, "loss": loss,
                            "lr": sinfo.lr, "grad_norm": sinfo.grad_norm,
                            "tokens_per_s": run.global_tokens / dt, "step_time_s": dt,

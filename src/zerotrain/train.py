@@ -19,11 +19,18 @@ from typing import Any
 import torch
 
 from zerotrain.checkpoint import CheckpointError
-from zerotrain.comm.dist import DistInfo, barrier, init_distributed, pick_device
+from zerotrain.comm.dist import (
+    DistInfo,
+    barrier,
+    init_distributed,
+    patient_barrier,
+    pick_device,
+    shutdown,
+)
 from zerotrain.config import Config
 from zerotrain.data.dataset import cached_shards, load_splits, needs_shards, resolve_tokenizer
 from zerotrain.data.errors import DataError
-from zerotrain.data.sampler import WindowSampler, eval_batches
+from zerotrain.data.sampler import WindowSampler, eval_batches, to_device
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
 from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
 from zerotrain.fit import diagnose
@@ -147,7 +154,7 @@ def load_data(cfg: Config, rank: int, world: int) -> Data:
             tok = resolve_tokenizer(d.tokenizer, d.path, run_dir, d.text_field)
             if needs_shards(d.path, tok):
                 path = cached_shards(d.path, tok, run_dir, d.text_field)
-        barrier()
+        patient_barrier()  # rank 0 may tokenize for longer than comm.timeout_s
     assert tok is not None
     model_cfg = resolve_model_config(cfg.model, tokenizer_vocab=tok.vocab_size)
     cfg = cfg.model_copy(update={"model": model_cfg})
@@ -230,19 +237,21 @@ def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
     return lines
 
 
-def train_step(run: Run) -> tuple[StepInfo, float, float]:
-    """One optimizer step over `grad_accum_steps` micro-batches: (info, mean loss, seconds)."""
+def train_step(run: Run) -> tuple[StepInfo, torch.Tensor, float]:
+    """One optimizer step over `grad_accum_steps` micro-batches: (info, mean loss as a
+    float64 0-d tensor on the device, seconds). The loss stays on the device — reading
+    it (`float(loss)`) waits for the GPU, so only log steps do."""
     eng, d, c = run.engine, run.dist, run.cfg
     step, accum = eng.global_step, c.data.grad_accum_steps
     t0 = time.perf_counter()
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
     sinfo = None
     for m in range(accum):
         x, y = run.sampler.batch(step, m, d.rank, d.world_size, c.data.micro_batch_size, accum)
-        loss = eng(x.to(d.device), y.to(d.device))
+        loss = eng(to_device(x, d.device), to_device(y, d.device))
         eng.backward(loss)
         sinfo = eng.step()
-        loss_sum += loss.item()
+        loss_sum += loss.detach()  # fp32 -> fp64 exactly: the sum of loss.item()s
     assert sinfo is not None
     return sinfo, loss_sum / accum, time.perf_counter() - t0
 
@@ -276,9 +285,9 @@ def _phase_line(run: Run) -> None:
                        for k, v in ph["measured"].items()))
 
 
-def _log_step(run: Run, sinfo: StepInfo, loss: float, dt: float) -> float:
+def _log_step(run: Run, sinfo: StepInfo, loss: torch.Tensor, dt: float) -> float:
     eng, world = run.engine, run.dist.world_size
-    loss_avg = float(eng.comm.all_reduce_scalars([loss])[0]) / world
+    loss_avg = float(eng.comm.all_reduce_scalars(loss.reshape(1))[0]) / world
     rec = {"type": "train", "step": eng.global_step, "loss": loss_avg, "lr": sinfo.lr,
            "grad_norm": sinfo.grad_norm, "tokens_per_s": run.global_tokens / dt,
            "step_time_s": dt, "loss_scale": sinfo.loss_scale,
@@ -325,8 +334,16 @@ def _validate(run: Run, step: int) -> float:
 
 
 def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
+    """Train; the process group is closed afterwards if this call opened it."""
     run = setup(cfg, resume)
-    eng, report = run.engine, run.report
+    summary = _train(run)
+    if run.dist.owns_group:  # a caller's own group (tests, notebooks) stays theirs
+        shutdown()
+    return summary
+
+
+def _train(run: Run) -> dict[str, Any]:
+    cfg, eng, report = run.cfg, run.engine, run.report
     if run.resumed and eng.global_step >= cfg.train.steps:
         report.say(f"[zerotrain] the run is already complete at step {eng.global_step} "
                    f"(train.steps {cfg.train.steps}); raise train.steps to continue it")

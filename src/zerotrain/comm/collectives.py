@@ -7,6 +7,17 @@ all-gathers on gloo — whose own reduce-scatter is slow and sends the whole buf
 native otherwise, gloo's all-reduce being faster than the ring's two passes) and where
 every byte is counted.
 
+Devices: `Comm.device` is where tensors for the group must live — the CPU for gloo,
+the current GPU for NCCL, which has no CPU backend at all. Control reductions
+(`all_reduce_scalars`: loss, norms, eval totals, flags) take host numbers, move them
+there and give host numbers back, so callers never need to know the backend.
+
+Threads: on gloo, async ring collectives run on one worker thread, where they overlap
+the caller's computation. On NCCL they run on the calling thread: NCCL calls already
+return at once (the GPU does the waiting), a second thread would only queue its
+transfers on the device's default stream behind the training kernels, and two host
+threads driving two NCCL communicators in per-rank orders can deadlock.
+
 Counting: for `ring` we record the bytes actually handed to isend/irecv (observed).
 For `native` the backend's internals are invisible, so we record the payload times the
 standard ring factor ((N-1)/N per reduce-scatter or all-gather pass) and label it
@@ -25,6 +36,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from zerotrain.comm.dist import comm_device
+from zerotrain.comm.lockstep import Lockstep, explain_timeout
 
 ALGORITHMS = ("native", "ring", "auto")
 RING_MIN_BYTES = 2 << 20  # auto: below this the comm-thread hand-off costs more than it saves
@@ -70,16 +84,26 @@ class TrafficCounter:
 
 
 class Handle:
-    """Uniform wait() over a torch Work, a ring job on the comm thread, or nothing."""
+    """Uniform wait() over a torch Work, a ring job on the comm thread, or nothing.
 
-    def __init__(self, work: object | None = None, done: threading.Event | None = None):
+    `explain` turns a backend timeout into an error that names the setting."""
+
+    def __init__(self, work: object | None = None, done: threading.Event | None = None,
+                 explain: Callable[[BaseException], BaseException] | None = None):
         self._work = work
         self._done = done
         self._error: BaseException | None = None
+        self._explain = explain
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as e:
+                better = self._explain(e) if self._explain is not None else e
+                if better is e:
+                    raise
+                raise better from e
             self._work = None
         if self._done is not None:
             self._done.wait()
@@ -122,10 +146,16 @@ class _CommThread:
 
 
 class Comm:
-    """Collectives over one process group, with an algorithm switch and byte counters."""
+    """Collectives over one process group, with an algorithm switch and byte counters.
+
+    `device`: where the group's tensors live (default: `comm_device(group)`).
+    `check_lockstep`: compare every collective across ranks first (`lockstep.py`).
+    `timeout_s`: the group's timeout, only to name it when a collective times out.
+    """
 
     def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None,
-                 ring_min_bytes: int = RING_MIN_BYTES):
+                 ring_min_bytes: int = RING_MIN_BYTES, *, device: torch.device | None = None,
+                 check_lockstep: bool = False, timeout_s: float | None = None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
@@ -133,17 +163,23 @@ class Comm:
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1
+        self.backend = dist.get_backend(group) if self.active else None
+        self.device = device if device is not None else comm_device(group)
+        self.timeout_s = timeout_s
         self.counter = TrafficCounter()
+        self.lockstep = (Lockstep(group, self.device, self.rank, self.world_size)
+                         if check_lockstep and self.world_size > 1 else None)
         self._ring_group = None
         self._thread: _CommThread | None = None
         self.ring_min_bytes = ring_min_bytes
-        gloo = self.active and dist.get_backend(group) == "gloo"
+        gloo = self.backend == "gloo"
         self._ring_ok = (self.active and self.world_size > 1
                          and (algorithm == "ring" or (algorithm == "auto" and gloo)))
         if self._ring_ok:
             ranks = dist.get_process_group_ranks(group) if group else list(range(self.world_size))
             self._ring_group = dist.new_group(ranks)
-            self._thread = _CommThread()
+            if gloo:  # see the module docstring: never a comm thread on NCCL
+                self._thread = _CommThread()
 
     # ------------------------------------------------------------------ helpers
     def _ring(self, fn: Callable[[], tuple[int, int]], op: str, purpose: str,
@@ -152,8 +188,37 @@ class Comm:
             sent, recv = fn()
             self.counter.add(op, purpose, sent, recv, observed=True)
 
-        assert self._thread is not None
+        if self._thread is None:  # NCCL: on this thread; the GPU queues it asynchronously
+            self._guarded(job, op)
+            return Handle()
         h = self._thread.submit(job)
+        if not async_op:
+            h.wait()
+        return h
+
+    def _check(self, op: str, purpose: str, t: Tensor) -> None:
+        if self.lockstep is not None:
+            self.lockstep.check(op, purpose, t.numel(), t.dtype)
+
+    def _explain(self, op: str) -> Callable[[BaseException], BaseException]:
+        seq = self.lockstep.seq if self.lockstep is not None else None
+        what = op + (f" (collective #{seq})" if seq is not None else "")
+        return lambda e: explain_timeout(e, what, self.rank, self.timeout_s)
+
+    def _guarded(self, fn: Callable[[], object], op: str) -> object:
+        try:
+            return fn()
+        except RuntimeError as e:
+            better = self._explain(op)(e)
+            if better is e:
+                raise
+            raise better from e
+
+    def _native(self, fn: Callable[..., object], name: str, *args: object,
+                async_op: bool, **kw: object) -> Handle:
+        """Issue a torch collective; a synchronous one is an async one waited for."""
+        work = self._guarded(lambda: fn(*args, group=self.group, async_op=True, **kw), name)
+        h = Handle(work, explain=self._explain(name))
         if not async_op:
             h.wait()
         return h
@@ -172,6 +237,7 @@ class Comm:
         """In-place SUM across ranks."""
         if self.world_size == 1:
             return Handle()
+        self._check("all_reduce", purpose, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         if purpose != "control" and self._use_ring(nbytes, "all_reduce"):
             from zerotrain.comm.ring import ring_all_reduce
@@ -180,7 +246,7 @@ class Comm:
                               "all_reduce", purpose, async_op)
         moved = 2 * self._native_factor() * nbytes
         self.counter.add("all_reduce", purpose, moved, moved, observed=False)
-        return Handle(dist.all_reduce(tensor, group=self.group, async_op=async_op))
+        return self._native(dist.all_reduce, "all_reduce", tensor, async_op=async_op)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, *, purpose: str = "grads",
                        async_op: bool = False) -> Handle:
@@ -194,6 +260,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
+        self._check("reduce_scatter", purpose, input)
         if self._use_ring(input.numel() * input.element_size(), "reduce_scatter"):
             from zerotrain.comm.ring import ring_reduce_scatter
 
@@ -201,7 +268,8 @@ class Comm:
                               "reduce_scatter", purpose, async_op)
         moved = self._native_factor() * input.numel() * input.element_size()
         self.counter.add("reduce_scatter", purpose, moved, moved, observed=False)
-        return Handle(_reduce_scatter(output, input, self.group, async_op))
+        return self._native(_reduce_scatter(), "reduce_scatter", output, input,
+                            async_op=async_op)
 
     def all_gather(self, output: Tensor, input: Tensor, *, purpose: str = "params",
                    async_op: bool = False) -> Handle:
@@ -215,6 +283,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
+        self._check("all_gather", purpose, output)
         if self._use_ring(output.numel() * output.element_size(), "all_gather"):
             from zerotrain.comm.ring import ring_all_gather
 
@@ -222,21 +291,27 @@ class Comm:
                               "all_gather", purpose, async_op)
         moved = self._native_factor() * output.numel() * output.element_size()
         self.counter.add("all_gather", purpose, moved, moved, observed=False)
-        return Handle(_all_gather(output, input, self.group, async_op))
+        return self._native(_all_gather(), "all_gather", output, input, async_op=async_op)
 
-    def all_reduce_scalars(self, values: list[float] | Tensor, device: torch.device | None = None,
-                           op: str = "sum") -> Tensor:
-        """Small control reductions (norms, overflow flags, eval losses): fp64, native."""
-        t = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.float64)
-        if device is not None:
-            t = t.to(device)
+    def all_reduce_scalars(self, values: list[float] | Tensor, op: str = "sum") -> Tensor:
+        """Small control reductions (norms, overflow flags, losses, eval totals): fp64,
+        native. Takes host numbers (or a tensor on any device), reduces them on
+        `self.device` — NCCL cannot see CPU tensors — and returns a float64 CPU tensor."""
+        host = (values.detach() if isinstance(values, Tensor)
+                else torch.tensor(values, dtype=torch.float64))
+        wire = host.to(self.device, torch.float64)
         if self.world_size > 1:
+            self._check("all_reduce_scalars", "control", wire)
             rop = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-            nbytes = t.numel() * t.element_size()
+            nbytes = wire.numel() * wire.element_size()
             moved = 2 * self._native_factor() * nbytes
             self.counter.add("all_reduce", "control", moved, moved, observed=False)
-            dist.all_reduce(t, op=rop, group=self.group)
-        return t
+            self._native(dist.all_reduce, "all_reduce_scalars", wire, op=rop, async_op=False)
+        return wire.cpu()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any rank (one MAX reduction)."""
+        return bool(self.all_reduce_scalars([float(flag)], op="max")[0] > 0)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -247,11 +322,10 @@ class Comm:
             self._ring_group = None
 
 
-def _reduce_scatter(out: Tensor, inp: Tensor, group, async_op: bool):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+def _reduce_scatter() -> Callable[..., object]:
+    """torch's single-tensor reduce-scatter under its current name (renamed in 2.x)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_gather(out: Tensor, inp: Tensor, group, async_op: bool):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+def _all_gather() -> Callable[..., object]:
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

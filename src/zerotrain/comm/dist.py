@@ -7,6 +7,7 @@ module only reads the environment torchrun sets and opens the default group.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str | None  # None when running as a single process without a group
+    owns_group: bool = False  # True when init_distributed opened it (so train() closes it)
 
 
 def launched_by_torchrun() -> bool:
@@ -47,34 +49,76 @@ def pick_device(kind: str = "auto", local_rank: int = 0,
     return torch.device("cpu")
 
 
+def local_rank() -> int:
+    """This process's index on its node: LOCAL_RANK, or RANK when a launcher sets only
+    that (one node), as init_distributed and the Engine must agree on the GPU."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+
+
+def bind_device(kind: str = "auto") -> torch.device:
+    """This rank's device, made current (`torch.cuda.set_device`).
+
+    Also when the caller opened the process group itself: implicit-device calls (pinned
+    memory, `barrier`, NCCL's own guesses) then land on this rank's GPU, not on GPU 0.
+    """
+    dev = pick_device(kind, local_rank())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def pick_backend(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if requested == "nccl" and device.type != "cuda":
         raise ConfigError("comm.backend 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on "
                           "CPU")
+    if requested == "gloo" and device.type == "cuda":
+        # gloo's CUDA support differs by version and by operation (some collectives stage
+        # through the host, some are missing): a run would test gloo, not this code
+        raise ConfigError("comm.backend 'gloo' with CUDA devices is not supported: gloo's "
+                          "CUDA collectives vary by torch version and operation and are no "
+                          "stand-in for NCCL; use comm.backend nccl (or auto) on GPUs, or "
+                          "--train.device cpu to run gloo on the CPU")
     return requested
 
 
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors for `group` must live: the CPU when the group has a CPU backend
+    (gloo, or "cpu:gloo,cuda:nccl"), else the current GPU.
+
+    NCCL registers itself for `cuda` only, so a CPU tensor handed to an NCCL group fails
+    with "No backend type associated with device type cpu": control reductions (loss,
+    norms, flags) must be moved here first.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    kinds = [part.split(":")[0] for part in dist.get_backend_config(group).split(",")]
+    if "cpu" in kinds:
+        return torch.device("cpu")
+    if kinds[0] == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kinds[0])
+
+
 def init_distributed(
-    device: str = "auto", backend: str = "auto", timeout_s: int = 600
+    device: str = "auto", backend: str = "auto", timeout_s: int = 120
 ) -> DistInfo:
     """Open the default process group when launched by torchrun; otherwise world size 1."""
+    global _STORE
     if not launched_by_torchrun():
-        return DistInfo(0, 1, 0, pick_device(device), None)
+        return DistInfo(0, 1, 0, bind_device(device), None)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    dev = pick_device(device, local_rank)
+    dev = bind_device(device)
     be = pick_backend(backend, dev)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if not dist.is_initialized():
+    opened = not dist.is_initialized()
+    if opened:
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(be, timeout=timeout, store=_attempt_store(rank, world, timeout),
-                                rank=rank, world_size=world,
+        _STORE = _attempt_store(rank, world, timeout)
+        dist.init_process_group(be, timeout=timeout, store=_STORE, rank=rank, world_size=world,
                                 device_id=dev if dev.type == "cuda" else None)
-    return DistInfo(rank, world, local_rank, dev, be)
+    return DistInfo(rank, world, local_rank(), dev, be, owns_group=opened)
 
 
 def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
@@ -104,6 +148,31 @@ def barrier() -> None:
         dist.barrier()
 
 
+#: The rendezvous store of the group init_distributed opened (None when the caller
+#: opened it): `patient_barrier` waits on it.
+_STORE: dist.Store | None = None
+_PATIENT = itertools.count()
+PATIENT_TIMEOUT_S = 24 * 3600
+
+
+def patient_barrier(timeout_s: float = PATIENT_TIMEOUT_S) -> None:
+    """A barrier for one rank's long solo work (rank 0 tokenizing a corpus, training a
+    BPE): it waits on the rendezvous store, so `comm.timeout_s` — sized for
+    collectives, which should never wait long — does not cut it short. Falls back to a
+    plain barrier when the caller opened the group (no store of ours)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if _STORE is None:
+        dist.barrier()
+        return
+    key = f"patient_barrier/{next(_PATIENT)}"
+    if _STORE.add(key, 1) == dist.get_world_size():
+        _STORE.set(key + "/all", "1")
+    _STORE.wait([key + "/all"], datetime.timedelta(seconds=timeout_s))
+
+
 def shutdown() -> None:
+    global _STORE
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _STORE = None

@@ -1,4 +1,4 @@
-"""Ring all-reduce (SPEC §5) written over point-to-point isend/irecv.
+"""Ring all-reduce (SPEC §5) written over point-to-point sends and receives.
 
 This is the legible twin of torch.distributed's built-in collectives: the same result,
 with every chunk movement visible. One pure function, `ring_schedule`, says who sends
@@ -131,22 +131,27 @@ def _ring(group: dist.ProcessGroup | None) -> _Ring:
 
 
 def _exchange(ring: _Ring, send: Tensor, recv: Tensor) -> tuple[int, int]:
-    """Post the send to r+1 and the receive from r-1 together, then wait for both.
+    """Send to r+1 and receive from r-1 as one batch, then wait for both.
 
-    Posting both before waiting is what keeps the ring from deadlocking: every rank is
-    simultaneously a sender and a receiver. Empty chunks (numel < N) are skipped on both
-    sides; both sides know the chunk sizes, so the skips agree.
+    Every rank is at once a sender and a receiver, so the two must progress together.
+    `batch_isend_irecv` posts them as one group (one ncclGroupStart/End on NCCL): two
+    separate isend/irecv calls are serialised on NCCL's single stream per communicator,
+    where a send can wait for its matching receive, which waits behind the peer's own
+    send — a cycle around the ring. On gloo the batch is the same two operations.
+    Empty chunks (numel < N) are skipped on both sides; both sides know the chunk sizes,
+    so the skips agree.
     """
-    works = []
+    ops = []
     sent = recv_bytes = 0
     if send.numel():
-        works.append(dist.isend(send, ring.next, group=ring.group))
+        ops.append(dist.P2POp(dist.isend, send, ring.next, ring.group))
         sent = send.numel() * send.element_size()
     if recv.numel():
-        works.append(dist.irecv(recv, ring.prev, group=ring.group))
+        ops.append(dist.P2POp(dist.irecv, recv, ring.prev, ring.group))
         recv_bytes = recv.numel() * recv.element_size()
-    for w in works:
-        w.wait()
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
     return sent, recv_bytes
 
 

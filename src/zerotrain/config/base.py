@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -40,3 +40,14 @@ def _numeric(annotation: Any) -> bool:
         kinds = [a for a in args if a is not type(None)]
         return bool(kinds) and all(_numeric(a) for a in kinds)
     return annotation in (int, float)
+
+
+def bool_or_auto(v: Any, field: str) -> bool | str:
+    """"auto", or anything pydantic reads as a bool (true/1/yes/on ...), with one message
+    for a bad value instead of pydantic's one per member of the union."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        return TypeAdapter(bool).validate_python(v)
+    except ValidationError:
+        raise ValueError(f"{field} must be true, false or auto, got {v!r}") from None

@@ -41,7 +41,14 @@ class CommConfig(_Section):
     )
     ring_min_mb: float = Field(2.0, gt=0.0, description="auto: smallest buffer for the ring")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: int = Field(600, ge=10)
+    timeout_s: int = Field(
+        120, ge=10, description="how long a collective may wait for the other ranks before "
+        "the job fails with an error naming this setting (a stuck rank, or ranks that ran "
+        "different collectives: see check_lockstep); one rank's data preparation is exempt")
+    check_lockstep: bool = Field(
+        False, description="debug: before every collective, check across ranks that all "
+        "run the same one (sequence number, operation, size); a mismatch is an error naming "
+        "the ranks, not a hang. One small extra all-gather per collective")
 
 
 class CheckpointConfig(_Section):

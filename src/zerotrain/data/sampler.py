@@ -110,3 +110,12 @@ def eval_batches(tokens, seq_len: int, rank: int, world: int, micro_bs: int,
     ids = s.window_ids(0, total)
     mine = ids[rank::world]
     return [s.windows(mine[i:i + micro_bs]) for i in range(0, len(mine), micro_bs)]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto its device. Off the CPU it goes through pinned memory without
+    blocking the host: a copy from pageable memory would first wait for the device to
+    drain its queue, so the host could never run a step ahead."""
+    if device.type == "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

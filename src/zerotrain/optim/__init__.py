@@ -1,12 +1,15 @@
 """Optimizers: update rules on flat fp32 tensors, torch.optim-style classes, lr schedules.
 
-- `functional`: the update rules (`adamw_`, `sgd_`, ...), the only place their math lives.
+- `functional`: the update rules (`adamw_`, `sgd_`, ...), the only place their math lives;
+  `batching`: how their work is cut into calls (cache blocks, device chunks, compile).
 - `optimizers`: torch.optim-compatible classes calling them (state names as torch's).
 - `schedule`: warmup / hold / decay learning rate as a pure function of the step.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,13 +79,30 @@ def resolve_compile(setting: bool | str, param_groups: list[dict[str, Any]]) -> 
     return numel >= COMPILE_AUTO_MIN_PARAMS
 
 
+def _compile_agreed(opt: Any, wanted: bool, agree: Callable[[bool], bool]) -> bool:
+    """Whether to compile, decided by all ranks together (see build_optimizer)."""
+    failure = opt.compile_probe() if wanted else None
+    if not agree(failure is not None):
+        return wanted
+    where = f"here: {failure}" if failure else "on another rank"
+    warnings.warn(f"torch.compile of the optimizer step failed {where}; every rank runs the "
+                  "eager update instead, so that replicas stay identical", RuntimeWarning,
+                  stacklevel=3)
+    return False
+
+
 def build_optimizer(
-    cfg: OptimizerConfig, param_groups: list[dict[str, Any]]
+    cfg: OptimizerConfig, param_groups: list[dict[str, Any]],
+    agree: Callable[[bool], bool] | None = None,
 ) -> torch.optim.Optimizer:
     """Map the `optimizer:` config section onto the class's hyper-parameters.
 
     Each group dict already carries its own "weight_decay" (and may carry "lr");
     cfg values are the defaults for whatever a group leaves out.
+
+    `agree(failed) -> any rank failed` (the engine passes a MAX all-reduce when there
+    are several ranks): the compiled update is then tried at once, before any real
+    step, and the ranks fall back to eager together if it fails on any one of them.
     """
     name, lr, wd = cfg.name, cfg.lr, cfg.weight_decay
     _class(name)  # a clear error for an unknown name
@@ -91,6 +111,8 @@ def build_optimizer(
                            weight_decay=wd, compiled=False)
         # decided on the groups as torch.optim normalised them (any iterable of params)
         compiled = resolve_compile(cfg.compile, opt.param_groups)
+        if agree is not None and cfg.compile is not False:  # every rank takes part
+            compiled = _compile_agreed(opt, compiled, agree)
         opt.defaults["compiled"] = compiled
         for g in opt.param_groups:
             g["compiled"] = compiled

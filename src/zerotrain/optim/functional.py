@@ -4,23 +4,9 @@ Every optimizer class, and every ZeRO shard (a flat fp32 slice of the master buf
 calls these functions, so the arithmetic of each rule lives in exactly one place: a
 private `_*_math` function written with `torch._foreach_*` ops over lists of tensors.
 
-How the work is cut (the speed comes from here, not from the arithmetic):
-- On CPU the lists are re-cut into *blocks* of about `BLOCK_ELEMENTS` elements: big
-  tensors are split into contiguous views, small ones are batched together. A rule
-  is several passes over its tensors (AdamW: 8); run block by block, passes 2..8 find
-  the block in L2 cache, so DRAM sees roughly one read of p, g, m, v and one write of
-  p, m, v per step instead of one per pass. Batching also means one Python call per
-  block rather than one per small tensor.
-- On accelerators blocks would only add kernel launches, so the whole list goes to
-  the foreach kernels at once.
-- `compiled=True` (Adam/AdamW) hands each large tensor to `torch.compile` of the same
-  `_adam_math`, which fuses the passes into a single loop: one read and one write per
-  element, like torch's `fused=True`. Lr- and step-dependent scalars enter as 0-d
-  tensors multiplying tensors (never as `value=`/`alpha=` arguments, which the compiler
-  would bake in and recompile for every new learning rate).
-Measured (bench/optim.py, 2-core Xeon, 1 thread): blocked eager AdamW takes ~2.5x the
-time of torch's fused kernel (DRAM traffic is gone, but 8 passes of arithmetic remain);
-compiled matches fused.
+How the work is cut — cache blocks on the CPU, bounded chunks on accelerators, one
+fused compiled pass for Adam/AdamW — is `batching.py`; the rules here only say what
+happens to one batch of tensors.
 
 Conventions follow torch.optim (weight decay as L2 for SGD/Adam/AdaGrad/RMSProp,
 decoupled θ ← θ − η·λ·θ for AdamW/Lion/Muon); see SPEC.md §1 for the formulas.
@@ -29,20 +15,16 @@ decoupled θ ← θ − η·λ·θ for AdamW/Lion/Muon); see SPEC.md §1 for the
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-Tensors = Tensor | Sequence[Tensor]
+from zerotrain.optim.batching import COMPILE_MIN_ELEMENTS, compile_broken
+from zerotrain.optim.batching import compile_rule as _compiled
+from zerotrain.optim.batching import run as _run
 
-#: Elements per cache block on CPU: 1 MiB per fp32 tensor; AdamW touches 5 such
-#: tensors per block, which stays inside a 2-4 MiB L2 when two threads share the work.
-BLOCK_ELEMENTS = 1 << 18
-#: Tensors at least this large go through the compiled kernel when `compiled=True`;
-#: smaller ones are cheaper in eager batches than as one compiled call each.
-COMPILE_MIN_ELEMENTS = 1 << 16
+Tensors = Tensor | Sequence[Tensor]
 
 MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -66,77 +48,6 @@ def _lists(*xs: Tensors) -> tuple[list[Tensor], ...]:
                                  f"parameter's {tuple(p.shape)}; was optimizer state loaded "
                                  "for a different parameter order?")
     return out
-
-
-def _blocks(lists: tuple[list[Tensor], ...]) -> Iterator[tuple[list[Tensor], ...]]:
-    """Re-cut parallel tensor lists into cache-sized batches (see the module docstring)."""
-    if not lists[0]:
-        return
-    if lists[0][0].device.type != "cpu":
-        yield lists
-        return
-    block = BLOCK_ELEMENTS
-    batch: tuple[list[Tensor], ...] = tuple([] for _ in lists)
-    size = 0
-    for i in range(len(lists[0])):
-        ts = [lst[i] for lst in lists]
-        n = ts[0].numel()
-        if n > block and all(t.is_contiguous() for t in ts):
-            if size:
-                yield batch
-                batch, size = tuple([] for _ in lists), 0
-            yield from zip(*([[piece] for piece in t.view(-1).split(block)] for t in ts))
-            continue
-        if size and size + n > block:
-            yield batch
-            batch, size = tuple([] for _ in lists), 0
-        for lst, t in zip(batch, ts):
-            lst.append(t)
-        size += n
-    if size:
-        yield batch
-
-
-_COMPILED: dict[Callable, Callable] = {}
-_COMPILE_BROKEN = False
-
-
-def _run(
-    math_fn: Callable,
-    lists: tuple[list[Tensor], ...],
-    scalars: tuple[float, ...],
-    consts: dict,
-    compiled: bool = False,
-) -> None:
-    """Apply `math_fn` block by block; big tensors optionally through torch.compile."""
-    global _COMPILE_BROKEN
-    if compiled and not _COMPILE_BROKEN:
-        big = [
-            i for i, t in enumerate(lists[0])
-            if t.numel() >= COMPILE_MIN_ELEMENTS and all(lst[i].is_contiguous() for lst in lists)
-        ]
-        if big:
-            fn = _COMPILED.get(math_fn)
-            if fn is None:
-                fn = _COMPILED[math_fn] = torch.compile(math_fn, dynamic=True, fullgraph=True)
-            done: set[int] = set()
-            boxed: dict[torch.device, list[Tensor]] = {}  # the scalars, once per device
-            try:
-                for i in big:
-                    dev = lists[0][i].device
-                    if dev not in boxed:
-                        boxed[dev] = [torch.tensor(s, dtype=torch.float64, device=dev)
-                                      for s in scalars]
-                    fn(*([lst[i]] for lst in lists), *boxed[dev], **consts)
-                    done.add(i)
-            except Exception as e:  # no C++ compiler / triton: stay correct, just slower
-                _COMPILE_BROKEN = True
-                warnings.warn(f"torch.compile of the optimizer step failed ({e!r:.200}); "
-                              "falling back to eager", RuntimeWarning, stacklevel=3)
-            keep = [i for i in range(len(lists[0])) if i not in done]
-            lists = tuple([lst[i] for i in keep] for lst in lists)
-    for batch in _blocks(lists):
-        math_fn(*batch, *scalars, **consts)
 
 
 # ----------------------------------------------------------------------------- SGD
@@ -292,9 +203,37 @@ def _adam(P, G, M, V, step, lr, beta1, beta2, eps, weight_decay, decoupled, comp
     decay = 1 - lr * weight_decay
     scale = 1 / (bc2_sqrt * step_size) if update else 1.0
     denom_eps = eps / step_size if update else 1.0
-    consts = dict(beta1=beta1, beta2=beta2, l2=0.0 if decoupled else weight_decay,
-                  decoupled=decoupled and weight_decay != 0, update=update)
+    consts = _adam_consts(beta1, beta2, weight_decay, decoupled, update)
     _run(_adam_math, (P, G, M, V), (decay, scale, denom_eps), consts, compiled)
+
+
+def _adam_consts(beta1: float, beta2: float, weight_decay: float, decoupled: bool,
+                 update: bool) -> dict:
+    return dict(beta1=beta1, beta2=beta2, l2=0.0 if decoupled else weight_decay,
+                decoupled=decoupled and weight_decay != 0, update=update)
+
+
+def adam_compile_probe(device: torch.device, dtype: torch.dtype, *, beta1: float,
+                       beta2: float, weight_decay: float, decoupled: bool) -> str | None:
+    """Compile the Adam/AdamW kernel now, on small stand-in tensors: None when it works,
+    else why not.
+
+    Run before any real update so that ranks can agree (`optim.build_optimizer`): a rank
+    whose compile fails (a cache race, a timeout, no memory) would run eager while the
+    others run compiled, and the two round differently — stage-0 replicas, which are
+    never re-synchronised, would drift apart. The stand-ins take the same dtype, device
+    and constants as the real tensors, so the real calls reuse this compilation.
+    """
+    if compile_broken():
+        return "torch.compile of the optimizer step failed earlier in this process"
+    ts = [[torch.zeros(COMPILE_MIN_ELEMENTS, dtype=dtype, device=device)] for _ in range(4)]
+    scalars = [torch.tensor(1.0, dtype=torch.float64, device=device) for _ in range(3)]
+    try:
+        _compiled(_adam_math)(*ts, *scalars,
+                              **_adam_consts(beta1, beta2, weight_decay, decoupled, True))
+    except Exception as e:  # whatever the compiler raises: the answer is "no"
+        return f"{e!r:.200}"
+    return None
 
 
 def adam_(

@@ -256,6 +256,24 @@ class Adam(_Base):
         """8: first and second moments (m, v) in fp32."""
         return 8
 
+    def compile_probe(self) -> str | None:
+        """Compile the update for every (device, dtype, group constants) this optimizer
+        will meet: None when all compile, else why not (`F.adam_compile_probe`)."""
+        seen = set()
+        for g in self.param_groups:
+            beta1, beta2 = g["betas"]
+            for p in g["params"]:
+                key = (p.device, p.dtype, beta1, beta2, g["weight_decay"])
+                if key in seen or p.numel() < F.COMPILE_MIN_ELEMENTS:
+                    continue
+                seen.add(key)
+                failure = F.adam_compile_probe(p.device, p.dtype, beta1=beta1, beta2=beta2,
+                                               weight_decay=g["weight_decay"],
+                                               decoupled=self._decoupled)
+                if failure:
+                    return failure
+        return None
+
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
         rule = F.adamw_ if self._decoupled else F.adam_
         beta1, beta2 = group["betas"]

@@ -27,6 +27,7 @@ from zerotrain.comm.collectives import Comm, Handle
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.optim import foreach
 from zerotrain.zero.flat import NamedParams, Segment, bucket_params
 from zerotrain.zero.grads import FullGrads
 from zerotrain.zero.state import StrategyState
@@ -247,18 +248,13 @@ class Strategy(StrategyState):
 
     def grad_norm_sq(self) -> float:
         """Squared global L2 norm of the (still scaled) gradient, identical on every rank."""
-        local = torch.zeros((), dtype=torch.float64, device=self.host)
-        for u in self.units:
-            local += torch.linalg.vector_norm(self.owned_grad(u), dtype=torch.float32
-                                              ).double() ** 2
+        local = foreach.sum_of_squares([self.owned_grad(u) for u in self.units], self.host)
         if self.shards_optimizer:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]
         return float(local)
 
     def scale_grads(self, factor: float) -> None:
-        if factor != 1.0:
-            for u in self.units:
-                self.owned_grad(u).mul_(factor)
+        foreach.scale_([self.owned_grad(u) for u in self.units], factor)
 
     def attach_grads(self) -> None:
         """Point each optimizer tensor's .grad at its slice of the owned gradient."""
@@ -285,8 +281,7 @@ class Strategy(StrategyState):
         """Every rank holds the new weights (ZeRO-3 re-packs its FP8 gathers here)."""
 
     def zero_grad(self) -> None:
-        for u in self.units:
-            self.grads.clear(u)
+        self.grads.clear(self.units)
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:

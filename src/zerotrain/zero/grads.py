@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from zerotrain.optim import foreach
 from zerotrain.zero.unit import Unit
 
 
@@ -51,9 +52,11 @@ class FullGrads:
     def release(self, u: Unit) -> None:
         """After the unit's reduction: nothing to give back."""
 
-    def clear(self, u: Unit) -> None:
-        u.grad.zero_()
-        u.grad_dirty = False
+    def clear(self, units: list[Unit]) -> None:
+        """Zero every unit's gradient (one multi-tensor kernel per device and dtype)."""
+        foreach.zero_([u.grad for u in units])
+        for u in units:
+            u.grad_dirty = False
 
     def drain(self) -> None:
         """End of backward: finish any copy still landing (Offload on a GPU)."""
