@@ -15,47 +15,19 @@ from safetensors.torch import load_file
 from zerotrain.checkpoint import CheckpointError, consolidate, export, resolve
 from zerotrain.checkpoint.io import read_meta
 from zerotrain.checkpoint.reshard import SavedShards
-from zerotrain.config import build_config
 from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
 from zerotrain.train import train
 
 from multirank import run_ranks
-from zero_harness import batches, local_batch, make_config
-
-
-def _corpus(tmp_path) -> str:
-    import zerotrain.engine as eng_mod
-
-    # Ranks of one test share tmp_path and call this concurrently: write a private file and
-    # rename it into place, so no rank ever reads a half-written (or truncated) corpus.
-    p = tmp_path / "corpus.txt"
-    with open(eng_mod.__file__) as f:
-        text = f.read() * 3
-    tmp = tmp_path / f".corpus.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, p)
-    return str(p)
+from zero_harness import batches, local_batch, make_config, run_config, train_losses
 
 
 def _train_cfg(tmp_path, run: str, steps: int, **extra):
-    d = {
-        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
-        "data": {"path": _corpus(tmp_path), "micro_batch_size": 4},
-        "schedule": {"warmup_steps": 3},
-        "checkpoint": {"every": 4, "keep": 5},
-        "logging": {"run_dir": str(tmp_path / run), "log_every": 1, "eval_every": 0,
-                    "sample_tokens": 0, "progress": False, "plot": False},
-        "train": {"steps": steps, "threads": 1},
-    }
-    for k, v in extra.items():
-        d.setdefault(k, {}).update(v)
-    return build_config(d)
+    return run_config(tmp_path, run, steps, warmup=3, every=4, keep=5, **extra)
 
 
-def _train_losses(run_dir) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["type"] == "train"}
+
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -65,7 +37,7 @@ def test_resume_is_bit_exact(tmp_path):
     # the interrupted run: same config, stopped after its step-4 checkpoint
     train(part.model_copy(update={"train": part.train.model_copy(update={"steps": 4})}))
     train(part, resume="latest")
-    a, b = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
+    a, b = train_losses(tmp_path / "full"), train_losses(tmp_path / "part")
     assert sorted(a) == sorted(b) == list(range(1, 11))
     for step in range(5, 11):
         assert a[step] == b[step], f"step {step}: {a[step]!r} != {b[step]!r}"
@@ -77,7 +49,7 @@ def _resume_ranks(tmp, stage):
     part = _train_cfg(tmp, f"part{stage}", 8, zero={"stage": stage})
     train(part.model_copy(update={"train": part.train.model_copy(update={"steps": 4})}))
     train(part, resume="latest")
-    return _train_losses(tmp / f"full{stage}"), _train_losses(tmp / f"part{stage}")
+    return train_losses(tmp / f"full{stage}"), train_losses(tmp / f"part{stage}")
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -131,7 +131,8 @@ def test_range_test_diverges_stops_and_leaves_the_run_folder_alone(tmp_path, cap
     assert r["smoothed"] == pytest.approx(_reference_zero_lag(r["losses"][:len(r["smoothed"])],
                                                               r["beta"]), rel=1e-12)
     assert r["beta"] == beta_for(RAMP["steps"]) == 0.75
-    assert r["suggested_lr"] < r["lr_at_min"] == r["lrs"][int(np.argmin(r["smoothed"]))]
+    # the valley's start is at or before its lowest point (the same one in a sharp valley)
+    assert r["suggested_lr"] <= r["lr_at_min"] == r["lrs"][int(np.argmin(r["smoothed"]))]
     # the engine used the ramp: each logged step's lr is the ramp's
     recs = [json.loads(x) for x in (run / "lr-find" / "metrics.jsonl").read_text().splitlines()
             if x]

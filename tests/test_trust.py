@@ -20,31 +20,11 @@ from zerotrain.models.gpt import GPT
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.train import Diverged, train
 
-from zero_harness import batches, make_config
-
-
-def _corpus(tmp_path, copies: int = 3) -> str:
-    import zerotrain.engine as eng_mod
-
-    p = tmp_path / "corpus.txt"
-    with open(eng_mod.__file__) as f:
-        p.write_text(f.read() * copies)
-    return str(p)
+from zero_harness import batches, make_config, run_config
 
 
 def _cfg(tmp_path, run: str = "run", steps: int = 6, **extra):
-    d = {
-        "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
-        "data": {"path": _corpus(tmp_path), "micro_batch_size": 4},
-        "schedule": {"warmup_steps": 0},
-        "checkpoint": {"every": 2, "keep": 2},
-        "logging": {"run_dir": str(tmp_path / run), "log_every": 1, "eval_every": 0,
-                    "sample_tokens": 0, "progress": False, "plot": False},
-        "train": {"steps": steps, "threads": 1},
-    }
-    for k, v in extra.items():
-        d.setdefault(k, {}).update(v)
-    return build_config(d)
+    return run_config(tmp_path, run, steps, layers=1, **extra)
 
 
 def _steps(cfg) -> list[str]:

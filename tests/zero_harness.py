@@ -103,3 +103,49 @@ def run_many(cases: list[dict], steps: int = 20) -> list[dict]:
 def rel_err(a: dict, b: dict) -> float:
     """Worst per-tensor ‖a−b‖ / ‖b‖."""
     return max(float((a[k] - b[k]).norm() / (b[k].norm() + 1e-30)) for k in b)
+
+
+# ----------------------------------------------------------------------------- CLI runs
+
+
+def corpus(tmp_path, copies: int = 3) -> str:
+    """A small text corpus (this repo's engine source). Ranks of one test share tmp_path
+    and call this concurrently: a private file renamed into place, so no rank ever reads
+    a half-written (or truncated) corpus."""
+    import os
+    from pathlib import Path
+
+    import zerotrain.engine as eng_mod
+
+    p = tmp_path / "corpus.txt"
+    tmp = tmp_path / f".corpus.{os.getpid()}.tmp"
+    tmp.write_text(Path(eng_mod.__file__).read_text() * copies)
+    os.replace(tmp, p)
+    return str(p)
+
+
+def run_config(tmp_path, run: str, steps: int, *, layers: int = 2, warmup: int = 0,
+               every: int = 2, keep: int = 2, **extra):
+    """A tiny `train()` config in tmp_path/run: sections of `extra` override the base."""
+    d = {
+        "model": {"n_layer": layers, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "data": {"path": corpus(tmp_path), "micro_batch_size": 4},
+        "schedule": {"warmup_steps": warmup},
+        "checkpoint": {"every": every, "keep": keep},
+        "logging": {"run_dir": str(tmp_path / run), "log_every": 1, "eval_every": 0,
+                    "sample_tokens": 0, "progress": False, "plot": False},
+        "train": {"steps": steps, "threads": 1},
+    }
+    for k, v in extra.items():
+        d.setdefault(k, {}).update(v)
+    return build_config(d)
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    """step -> logged training loss, from a run folder's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    return {r["step"]: r["loss"] for r in recs if r["type"] == "train"}

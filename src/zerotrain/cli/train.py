@@ -119,24 +119,18 @@ def _load(opts: dict, overrides: list[str], nproc: int):
     return cfg
 
 
-def _count(flag: str, text: str | bool) -> int:
+def _count(flag: str, text: str | bool, least: int = 0) -> int:
     try:
         n = int(text)
     except ValueError:
         raise UsageError(f"{flag} must be a whole number, got {text!r}") from None
-    if n < 0:
-        raise UsageError(f"{flag} must be >= 0, got {n}")
+    if n < least:
+        raise UsageError(f"{flag} must be >= {least}, got {n}")
     return n
 
 
 def _nproc(text: str | bool) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise UsageError(f"--nproc must be a whole number of ranks, got {text!r}") from None
-    if n < 1:
-        raise UsageError(f"--nproc must be >= 1, got {n}")
-    return n
+    return _count("--nproc", text, least=1)
 
 
 @command("train")

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ModelConfig
-from zerotrain.models.init import draw_seed, init_all, init_decoder_param
+from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
+from zerotrain.models.sampling import CausalLM, lm_loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,23 +61,19 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-class GPT(nn.Module):
+class GPT(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        # Values are decided here, on the meta device too (models/init.py)
-        self.init_seed = draw_seed()
-        rng = torch.get_rng_state()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.head.weight = self.wte.weight
-        torch.set_rng_state(rng)  # as if torch's default initialisers had not drawn
-        init_all(self, self.init_param)
+        with deferred_init(self, self.init_param):  # values: models/init.py
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+            self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            if cfg.tie_weights:
+                self.head.weight = self.wte.weight
 
     def init_param(self, name: str, t: Tensor) -> None:
         """Parameter `name`'s initial value, from (seed, name) alone (models/init.py), so a
@@ -101,23 +98,8 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return lm_loss(self.head(self.ln_f(x)), targets)
 
-    @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None) -> Tensor:
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.cfg.block_size:]
-            logits = self(ctx)[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
 
 
 def plan(model: GPT) -> Plan:

@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerotrain.config import ConfigError, ModelConfig
 from zerotrain.models.plan import Plan, largest_module_list, plan_from
 from zerotrain.models.presets import read_hf_config
-from zerotrain.models.sampling import generate
+from zerotrain.models.sampling import CausalLM, lm_loss
 from zerotrain.models.weights import weight_files
 
 PREFIX = "hf."
@@ -42,7 +41,7 @@ def has_weights(folder: str | Path) -> bool:
     return p.is_dir() and bool(weight_files(p))
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(CausalLM):
     """An HF causal LM with zerotrain's `forward(idx, targets)` and `generate`."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, hf_config: dict[str, Any]):
@@ -52,15 +51,7 @@ class HFCausalLM(nn.Module):
         self.hf_config = hf_config  # what config.json said: export writes it back
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
-        logits = self.hf(input_ids=idx, use_cache=False).logits
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None) -> Tensor:
-        return generate(self, idx, max_new_tokens, self.cfg.block_size, temperature, top_k,
-                        generator)
+        return lm_loss(self.hf(input_ids=idx, use_cache=False).logits, targets)
 
 
 def build_hf(cfg: ModelConfig, hf_config: dict[str, Any] | None = None) -> HFCausalLM:

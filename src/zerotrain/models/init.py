@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+
+#: init(name, tensor): write parameter `name`'s initial value into `tensor` (full shape)
+InitFn = Callable[[str, Tensor], None]
 
 
 def draw_seed() -> int:
@@ -58,8 +62,22 @@ def init_decoder_param(model: nn.Module, name: str, t: Tensor, seed: int,
             t.fill_(1.0)
 
 
-#: init(name, tensor): write parameter `name`'s initial value into `tensor` (full shape)
-InitFn = Callable[[str, Tensor], None]
+@contextmanager
+def deferred_init(model: nn.Module, init: InitFn) -> Iterator[None]:
+    """Build a model's modules inside; their values come from `init` afterwards.
+
+    The model's seed is drawn first (from the global generator, as eager construction
+    would), the draws of torch's default initialisers inside are undone so the global
+    stream continues as if they had not happened (it must, or a meta-built model would
+    leave it elsewhere than an eager one), then every materialised parameter is
+    initialised by name. On the meta device nothing is materialised: the strategy calls
+    `init` unit by unit later.
+    """
+    model.init_seed = draw_seed()
+    rng = torch.get_rng_state()
+    yield
+    torch.set_rng_state(rng)
+    init_all(model, init)
 
 
 def init_all(model: nn.Module, init: InitFn) -> None:

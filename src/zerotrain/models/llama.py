@@ -15,10 +15,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ConfigError, ModelConfig
-from zerotrain.models.init import draw_seed, init_all, init_decoder_param
+from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.presets import resolve_model_config
-from zerotrain.models.sampling import generate
+from zerotrain.models.sampling import CausalLM, lm_loss
 
 
 class RMSNorm(nn.Module):
@@ -114,26 +114,22 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
-class Llama(nn.Module):
+class Llama(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg = resolve_model_config(cfg)
         if cfg.arch != "llama":
             raise ConfigError(f"Llama needs model.arch llama, got {cfg.arch}")
         assert cfg.n_embd and cfg.n_layer and cfg.n_head
-        # Values are decided here, on the meta device too (models/init.py)
-        self.init_seed = draw_seed()
-        rng = torch.get_rng_state()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.head.weight = self.embed.weight
-        torch.set_rng_state(rng)  # as if torch's default initialisers had not drawn
-        init_all(self, self.init_param)
+        with deferred_init(self, self.init_param):  # values: models/init.py
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+            self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            if cfg.tie_weights:
+                self.head.weight = self.embed.weight
 
     def init_param(self, name: str, t: Tensor) -> None:
         """As the GPT's (models/init.py): a function of (seed, name) alone; residual
@@ -159,15 +155,7 @@ class Llama(nn.Module):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        logits = self.head(self.norm(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None) -> Tensor:
-        return generate(self, idx, max_new_tokens, self.cfg.block_size, temperature, top_k,
-                        generator)
+        return lm_loss(self.head(self.norm(x)), targets)
 
 
 def plan(model: Llama) -> Plan:

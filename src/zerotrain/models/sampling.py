@@ -7,6 +7,8 @@ tokenizer's, or bytes past 255).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -29,3 +31,22 @@ def generate(model: nn.Module, idx: Tensor, max_new_tokens: int, block_size: int
         nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
     return idx
+
+
+def lm_loss(logits: Tensor, targets: Tensor | None) -> Tensor:
+    """Logits as they are, or the mean cross-entropy against `targets` — computed in FP32
+    whatever the parameter dtype, so mixed-precision runs compare like with like."""
+    if targets is None:
+        return logits
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class CausalLM(nn.Module):
+    """What every model family zerotrain builds shares: sampling over `cfg.block_size`."""
+
+    cfg: Any
+
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None) -> Tensor:
+        return generate(self, idx, max_new_tokens, self.cfg.block_size, temperature, top_k,
+                        generator)
