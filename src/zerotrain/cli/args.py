@@ -84,6 +84,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
+    def actions(self) -> argparse._SubParsersAction:
+        """The ACTION subcommands of a command (`config show`, `tokenizer train`)."""
+        return self.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def action(self, sub: argparse._SubParsersAction, name: str, summary: str,
+               description: str, usage: str) -> argparse.ArgumentParser:
+        """One ACTION with the command's prog, formatter and error handling."""
+        return sub.add_parser(name, prog=f"{self.prog} {name}", help=summary,
+                              formatter_class=self.formatter_class, description=description,
+                              usage=usage)
+
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: reported as one line, never as a traceback.

@@ -9,24 +9,21 @@ from zerotrain.cli.args import Parser, command
 
 def _parser() -> Parser:
     p = Parser("config", "Work with zerotrain configs.")
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    show = sub.add_parser(
-        "show", prog="zerotrain config show", formatter_class=p.formatter_class,
-        help="print the config a run would use: defaults, then --config FILE, then overrides",
-        description="Print the config a run would use: the defaults, then a --config file, "
+    sub = p.actions()
+    show = p.action(
+        sub, "show",
+        "print the config a run would use: defaults, then --config FILE, then overrides",
+        "Print the config a run would use: the defaults, then a --config file, "
         "then --section.key VALUE overrides (the same flags `zerotrain train` takes).",
-        usage="zerotrain config show [--config FILE] [--json] [--section.key VALUE ...]")
+        "zerotrain config show [--config FILE] [--json] [--section.key VALUE ...]")
     show.add_argument("--config", metavar="FILE", help="YAML or JSON config to start from")
     show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
-    ds = sub.add_parser(
-        "from-deepspeed", prog="zerotrain config from-deepspeed",
-        formatter_class=p.formatter_class,
-        help="print the zerotrain config a DeepSpeed JSON config maps to",
-        description="Read a DeepSpeed JSON config and print the zerotrain YAML it maps to, "
+    ds = p.action(
+        sub, "from-deepspeed", "print the zerotrain config a DeepSpeed JSON config maps to",
+        "Read a DeepSpeed JSON config and print the zerotrain YAML it maps to, "
         "with a comment for every DeepSpeed-only setting; settings zerotrain cannot honour "
         "are listed together in one error. See docs/from-deepspeed.md.",
-        usage="zerotrain config from-deepspeed DS.json [--world-size N] "
-              "[--section.key VALUE ...]")
+        "zerotrain config from-deepspeed DS.json [--world-size N] [--section.key VALUE ...]")
     ds.add_argument("path", metavar="DS.json", help="the DeepSpeed config file")
     ds.add_argument("--world-size", type=int, default=None,
                     help="data-parallel ranks, to derive the batch triple "

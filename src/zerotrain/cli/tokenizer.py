@@ -10,13 +10,11 @@ from zerotrain.cli.args import Parser, UsageError, command
 
 def _parser() -> Parser:
     p = Parser("tokenizer", "Train tokenizers.")
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    t = sub.add_parser(
-        "train", prog="zerotrain tokenizer train", formatter_class=p.formatter_class,
-        help="train a byte-level BPE on text, offline",
-        description="Train a byte-level BPE (with an <|endoftext|> token) on text files, "
+    t = p.action(
+        p.actions(), "train", "train a byte-level BPE on text, offline",
+        "Train a byte-level BPE (with an <|endoftext|> token) on text files, "
         "folders, .jsonl or .parquet, streaming the text; seconds for tens of MB.",
-        usage="zerotrain tokenizer train SOURCE... --vocab N --out TOKENIZER.json")
+        "zerotrain tokenizer train SOURCE... --vocab N --out TOKENIZER.json")
     t.add_argument("sources", nargs="+", metavar="SOURCE", help="text to learn from")
     t.add_argument("--vocab", type=int, required=True, metavar="N",
                    help="vocabulary size (>= 258: 256 bytes, end-of-text, merges)")
