@@ -243,3 +243,27 @@ def test_exact_decimal() -> None:
     assert exact_decimal(Fraction(-1, 2**24)) == "-0.000000059604644775390625"
     assert exact_decimal(FP32.max_finite_exact) == "340282346638528859811704183484516925440"
     assert float(exact_decimal(FP16.min_subnormal_exact)) == FP16.min_subnormal
+
+
+def test_float_shows_fp8_scaling_like_training(capsys):
+    """`zerotrain float X --amax A`: the scale is FP8 training's own (numerics.fp8), and the
+    unscaled value is torch's float8 cast round trip."""
+    import re
+    from fractions import Fraction
+
+    import torch
+
+    from zerotrain.cli import main
+    from zerotrain.cli.floats import scale_for
+    from zerotrain.numerics.formats import FP8_E4M3
+    from zerotrain.numerics.fp8 import scale_from_amax
+
+    for amax in (3000.0, 1.0, 0.37, 1e-5, 448.0, 449.0):
+        want = float(scale_from_amax(torch.tensor(amax), FP8_E4M3))
+        assert float(scale_for(FP8_E4M3, Fraction(amax))) == want, amax
+    assert main(["float", "1000", "--format", "fp8-e4m3", "--amax", "3000"]) == 0
+    out = capsys.readouterr().out
+    got = float(re.search(r"stored value / scale = (\S+)", out).group(1))
+    s = float(scale_for(FP8_E4M3, Fraction(3000)))
+    cast = torch.tensor(1000.0 * s).to(torch.float8_e4m3fn).float().item() / s
+    assert got == cast == 1024.0

@@ -20,7 +20,7 @@ from zerotrain.models.gpt import GPT
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.train import Diverged, train
 
-from zero_harness import batches, make_config, run_config
+from zero_harness import batches, corpus, make_config, run_config
 
 
 def _cfg(tmp_path, run: str = "run", steps: int = 6, **extra):
@@ -260,3 +260,15 @@ def test_library_mode_trains_at_a_constant_lr(capsys):
                          {"train": {"device": "cpu", "steps": 50},
                           "schedule": {"kind": "cosine", "warmup_steps": 5}})
     assert "warmup" in capsys.readouterr().out
+
+
+def test_folder_data_skips_dot_dirs_and_binaries_and_is_summarised(tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / ".git").mkdir(parents=True)
+    (data / ".git" / "HEAD").write_text("ref: refs/heads/main\n" * 50)
+    (data / "lr.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 20)
+    (data / "a.txt").write_text(Path(corpus(tmp_path)).read_text())
+    train(_cfg(tmp_path, steps=2, data={"path": str(data)}))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "data:" in x)
+    size = (data / "a.txt").stat().st_size
+    assert "1 files (1 skipped)" in line and f"{size:,} bytes of text" in line, line

@@ -28,7 +28,13 @@ from zerotrain.comm.dist import (
     shutdown,
 )
 from zerotrain.config import Config
-from zerotrain.data.dataset import cached_shards, load_splits, needs_shards, resolve_tokenizer
+from zerotrain.data.dataset import (
+    cached_shards,
+    describe,
+    load_splits,
+    needs_shards,
+    resolve_tokenizer,
+)
 from zerotrain.data.errors import DataError
 from zerotrain.data.sampler import WindowSampler, eval_batches, to_device
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
@@ -138,6 +144,7 @@ class Data:
     tokenizer: Tokenizer
     sampler: WindowSampler
     val_set: Batches
+    summary: str = ""         # one line: files, bytes, tokens (rank 0)
 
 
 def load_data(cfg: Config, rank: int, world: int) -> Data:
@@ -162,7 +169,9 @@ def load_data(cfg: Config, rank: int, world: int) -> Data:
     T = model_cfg.block_size
     sampler = WindowSampler(train_src, T, cfg.train.seed)
     val = eval_batches(val_src, T, rank, world, d.micro_batch_size, cfg.logging.eval_batches)
-    return Data(cfg, tok, sampler, val)
+    summary = (f"[zerotrain] data: {describe(path, tok)}; {sampler.n_windows:,} training "
+               f"windows of {T + 1} tokens") if rank == 0 else ""
+    return Data(cfg, tok, sampler, val, summary)
 
 
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
@@ -208,7 +217,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     barrier()
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
-    for line in lines:
+    for line in [data.summary, *lines]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
               report, src is not None, data.tokenizer)

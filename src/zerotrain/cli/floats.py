@@ -11,7 +11,7 @@ from fractions import Fraction
 from zerotrain.cli.args import Parser, UsageError, command
 from zerotrain.cli.float_encode import explain_encode
 from zerotrain.cli.float_text import explain_all, explain_bits, overflow_text, table
-from zerotrain.numerics.formats import ALL_FORMATS, FP32, FloatFormat, floor_log2
+from zerotrain.numerics.formats import ALL_FORMATS, FP32, FloatFormat, floor_log2, get_format
 from zerotrain.numerics.notation import exact_decimal, parse_number
 
 __all__ = ["format_rows", "formats_table", "main_float", "main_formats"]
@@ -124,7 +124,8 @@ def _float_parser() -> Parser:
         "  zerotrain float 0.1 --format all\n"
         "  zerotrain float -1e-8 -f fp16\n"
         "  zerotrain float --bits '0 10000010 00110100000000000000000'\n"
-        "  zerotrain float --bits 0x3c00 --format fp16",
+        "  zerotrain float --bits 0x3c00 --format fp16\n"
+        "  zerotrain float 1000 --format fp8-e4m3 --amax 3000   (FP8 training's scaling)",
     )
     p.add_argument(
         "value", nargs="?", help="number to encode: 9.625, -2.5, 0.1, 1e-8, 1/3, inf, nan"
@@ -134,10 +135,56 @@ def _float_parser() -> Parser:
     p.add_argument(
         "-b", "--bits", nargs="+", help="decode a pattern: '0 10000010 0011…' or 0x411A0000"
     )
+    p.add_argument("--scale", help="store VALUE × SCALE, as FP8 training does, and show "
+                   "what unscaling gives back (e.g. 0.125, 1/8)")
+    p.add_argument("--amax", help="the scale FP8 training would use for a tensor whose "
+                   "largest magnitude is AMAX: the largest power of two with AMAX × scale "
+                   "≤ the format's max (docs/design.md §fp8)")
     return p
 
 
+def scale_for(fmt: FloatFormat, amax: Fraction) -> Fraction:
+    """The power-of-two scale of zerotrain's FP8 recipes: amax·scale ≤ max, as large as
+    possible (numerics.fp8.scale_from_amax, exactly)."""
+    if amax <= 0:
+        raise UsageError("--amax must be a positive number")
+    k = floor_log2((fmt.max_finite_exact / amax).numerator, (fmt.max_finite_exact / amax)
+                   .denominator)
+    return Fraction(2) ** k
+
+
+def _scaled_text(a: argparse.Namespace) -> str:
+    """VALUE × scale encoded in the format, then unscaled: the round trip of an FP8 layer."""
+    if a.bits is not None or a.value is None:
+        raise UsageError("--scale/--amax apply to a VALUE to encode")
+    fmt = get_format(a.format or "fp8-e4m3")
+    x = parse_number(a.value)
+    if not isinstance(x, Fraction):
+        raise UsageError("--scale/--amax need a finite VALUE")
+    if a.amax is not None:
+        amax = parse_number(a.amax)
+        scale = scale_for(fmt, Fraction(amax) if not isinstance(amax, float) else amax)
+        how = f"largest power of two with amax {a.amax} × scale ≤ max {fmt.max_finite:g}"
+    else:
+        scale = Fraction(parse_number(a.scale))
+        how = "given"
+    scaled = x * scale
+    stored = fmt.decode(fmt.encode(scaled))
+    back = Fraction(stored) / scale if stored == stored and abs(stored) != float("inf") \
+        else None
+    lines = [f"scale {exact_decimal(scale)} ({how}); {a.value} × scale = "
+             f"{exact_decimal(scaled)} is what gets encoded:", "",
+             explain_encode(exact_decimal(scaled), fmt), "",
+             "unscaled: stored value / scale = "
+             + (f"{exact_decimal(back)} (error {float(back - x):.3g}, relative "
+                f"{float((back - x) / x) if x else 0.0:.3g})" if back is not None
+                else "not finite")]
+    return "\n".join(lines)
+
+
 def _float_text(a: argparse.Namespace) -> str:
+    if a.scale is not None or a.amax is not None:
+        return _scaled_text(a)
     every = bool(a.format) and a.format.lower() == "all"
     if (a.value is None) == (a.bits is None):
         raise UsageError("give either a VALUE to encode or --bits PATTERN to decode")

@@ -117,3 +117,23 @@ def cached_shards(path: str | Path | None, tok: Tokenizer, cache_dir: str | Path
             pass  # another tokenizer: prepare again
     prepare(inputs, tok, out, text_field=text_field, overwrite=True)
     return out
+
+
+def describe(path: str | Path | None, tok: Tokenizer) -> str:
+    """One line on what training reads: files and bytes in, tokens out."""
+    if path is not None and is_shard_folder(path):
+        import json
+
+        m = json.loads((Path(path) / MANIFEST).read_text())
+        files = sum(m["sources"]["files"].values())
+        skipped = m["sources"].get("skipped", 0)
+        return (f"{files:,} files ({skipped} skipped), {m['text_bytes']:,} bytes of text -> "
+                f"{m['tokens']:,} tokens of {tok.name} in {len(m['shards'])} shard(s) at "
+                f"'{path}'")
+    if path is not None and Path(path).suffix == ".bin":
+        size = Path(path).stat().st_size
+        return f"'{path}': {size // 2:,} byte tokens"
+    files = [f for _, f in inventory(_sources(path)).files]
+    size = sum(f.stat().st_size for f in files)
+    where = "the embedded corpus" if path is None else f"'{path}'"
+    return f"{where}: {len(files):,} files, {size:,} bytes, as {tok.name} tokens"
