@@ -30,6 +30,7 @@ import datetime
 import fcntl
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,10 +107,15 @@ class Runner:
             return done
         a = self.a
         extra = ["--zt-config", a.zt_config] if a.zt_config else []
-        r = run_once(SYSTEMS[system], model_of(size), cap=a.cap_bytes,
-                     out=self.logs / f"{system}.{size}.json", steps=a.steps,
-                     python=a.python, timeout=a.timeout, floor=a.floor_bytes,
-                     cgroup=a.cgroup_dir, extra=extra)
+        for _attempt in range(3):  # a machine short of memory says nothing about the system
+            r = run_once(SYSTEMS[system], model_of(size), cap=a.cap_bytes,
+                         out=self.logs / f"{system}.{size}.json", steps=a.steps,
+                         python=a.python, timeout=a.timeout, floor=a.floor_bytes,
+                         cgroup=a.cgroup_dir, extra=extra)
+            if r.get("verdict") != "aborted":
+                break
+            print(f"{system} @ {size}: machine memory low, retrying in 60 s", flush=True)
+            time.sleep(60)
         r.update(name=system, size=size, params=a.params[size])
         self.runs.append(r)
         spent = (time.perf_counter() - self.t0) / 60
@@ -247,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
             "family": {s: {**model_of(s), "params": a.params[s]} for s in sizes},
             "compare_at": a.compare_at, "cgroup": cgroup_report(),
             "cgroup_used": str(a.cgroup_dir) if a.cgroup_dir else None,
-            "load_avg_start": os.getloadavg(), "zt_config": a.zt_config}
+            "load_avg_start": os.getloadavg(), "zt_config": a.zt_config,
+            "commit": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE,
+                                     capture_output=True, text=True).stdout.strip()}
     runner = Runner(a, logs, out_dir / f"{a.name}.progress.json")
     if a.compare_at:
         meta_too = "fsdp2-reshard" in a.system_list  # FSDP2's own meta-init recipe, beside
