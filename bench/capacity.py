@@ -96,6 +96,9 @@ class Runner:
     def __init__(self, a: argparse.Namespace, logs: Path, progress: Path):
         self.a, self.logs, self.progress = a, logs, progress
         self.runs: list[dict[str, Any]] = []
+        if a.resume and progress.exists():  # an interrupted search goes on where it stopped
+            self.runs = json.loads(progress.read_text())["runs"]
+            print(f"resuming: {len(self.runs)} runs from {progress}", flush=True)
         self.t0 = time.perf_counter()
 
     def result(self, system: str, size: str) -> dict[str, Any] | None:
@@ -190,6 +193,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--name", default="capacity", help="result file stem")
     p.add_argument("--plot", default=str(HERE.parent / "docs" / "capacity.png"))
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs <name>.progress.json already holds (same cap and family)")
     p.add_argument("--plan", action="store_true", help="print the first probes and exit")
     p.add_argument("--smoke", action="store_true",
                    help=f"a check of the machinery: sizes {', '.join(SMOKE_FAMILY)}, "
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     a.params = {s: params_of(s) for s in FAMILY}
     sizes = sorted(a.size_list, key=a.params.__getitem__)
     if a.plan:
+        a.resume = False
         runner = Runner(a, out_dir, out_dir / "unused")
         for s in a.system_list:
             if s in SEARCHED:

@@ -51,11 +51,24 @@ def measured_steady(r: dict) -> int:
     return out
 
 
+def predicted(r: dict) -> dict[str, Any]:
+    """What `zerotrain estimate --model` predicts for the config the run used (computed
+    now, with the formulas of this checkout: --report re-evaluates stored runs)."""
+    if "predicted" not in r:
+        from zerotrain.cli.estimate import predict_peaks
+        from zerotrain.config import build_config
+
+        z = r["ranks"][0]["zerotrain"]
+        r["predicted"] = predict_peaks(build_config(z["config"]), r["world_size"], z["stage"],
+                                       z["offload"], device="cpu")
+    return r["predicted"]
+
+
 def estimate_check(r: dict) -> dict[str, Any] | None:
     """Predicted (zerotrain estimate's numbers for the config the run used) vs measured."""
     if not r.get("ok") or not r["name"].startswith("zt-"):
         return None
-    pred = r["ranks"][0]["zerotrain"]["predicted"]
+    pred = predicted(r)
     m_init, m_steady = init_peak(r), measured_steady(r)
     return {"init_pred": pred["init"], "init_meas": m_init,
             "init_err": pred["init"] / m_init - 1, "steady_pred": pred["steady"],
@@ -247,6 +260,8 @@ def plot(summary: dict, meta: dict, path: Path) -> None:
 
 def write_outputs(meta: dict, runs: list[dict], out_dir: Path, name: str, plot_path: Path
                   ) -> None:
+    for r in runs:  # recomputed from the stored configs, with this checkout's formulas
+        r.pop("predicted", None)
     summary = summarize(runs, meta["family"])
     tgts = targets(runs, summary, meta)
     text = markdown(meta, runs, summary, tgts)

@@ -126,19 +126,16 @@ def train(a: argparse.Namespace, job: Any, phase: Phase) -> tuple[list[float], l
 
 
 def zerotrain_memory(a: argparse.Namespace, job: Any) -> dict[str, Any]:
-    """The engine's measured phase peaks, and what `zerotrain estimate --model` predicts
-    for the very config the engine ran (`predict_peaks`, the CLI's own function)."""
-    from zerotrain.cli.estimate import predict_peaks
-
+    """The engine's measured phase peaks, and the config it ran (bench/capacity_report.py
+    asks `zerotrain estimate`'s own function what it predicts for that config)."""
     eng = job.engine
     cfg = ModelConfig(**json.loads(a.model))
     act = activation_bytes(cfg, a.micro_batch, cfg.block_size, act_bytes=4)
     s = eng.strategy
-    pred = predict_peaks(eng.config, eng.world_size, s.stage, s.offload, device="cpu",
-                         micro_batch=a.micro_batch)
     return {"engine_phases": eng.memory_phases(activations=act),
             "phase_baseline": eng.phases.baseline, "phase_peaks": dict(eng.phases.peaks),
-            "predicted": pred, "buffer_numels": s.buffer_numels(), "units": len(s.units)}
+            "config": eng.config.model_dump(mode="json"), "stage": s.stage,
+            "offload": s.offload, "buffer_numels": s.buffer_numels(), "units": len(s.units)}
 
 
 def run(a: argparse.Namespace, phase: Phase) -> dict[str, Any]:
