@@ -174,22 +174,23 @@ class Job:
     traffic_how: str = "n/a"
     notes: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
+    engine: Any = None  # the system's own engine object, for callers that inspect it
 
 
-def engine_job(engine: Any, **job: Any) -> Job:
+def engine_job(eng: Any, **job: Any) -> Job:
     """A loop over an engine with the `engine(x, y)` / `.backward(loss)` / `.step()` API,
     which zerotrain and DeepSpeed share."""
 
     def step(x: Tensor, y: Tensor) -> Tensor:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
         return loss.detach()
 
     def evaluate(x: Tensor, y: Tensor) -> Tensor:
-        return engine(x, y).detach()
+        return eng(x, y).detach()
 
-    return Job(step, evaluate, **job)
+    return Job(step, evaluate, engine=eng, **job)
 
 
 # ---------------------------------------------------------------------------- zerotrain

@@ -21,13 +21,20 @@ from zerotrain.cli.args import (
     size_help,
 )
 from zerotrain.memory import (
+    COMPILE_RUNTIME_BYTES,
+    CPU_BASELINE_BYTES,
+    CPU_RETENTION,
     PRECISIONS,
+    BytesPerParam,
     MemoryEstimate,
     activation_bytes,
     activation_dtype_bytes,
     bytes_per_param,
     max_params,
     model_state_bytes,
+    phase_estimates,
+    shard_numel,
+    steady_peak,
     traffic_per_step,
 )
 from zerotrain.models import model_size
@@ -78,6 +85,10 @@ def _build_parser() -> Parser:
                    help="link GB/s: adds α–β comm time per step")
     p.add_argument("--latency", metavar="US", type=finite_float, default=5.0,
                    help="link latency in µs")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="--model: what the init/steady peaks count — cpu: a rank's resident "
+                   "memory (torch runtime, allocator retention); cuda: the allocator's bytes "
+                   "(default: cuda when torch sees one, else cpu)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE",
                    help="stacked bar chart of device memory per stage (.png, .pdf, .svg, ...)")
@@ -157,8 +168,21 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
                          f"(model.block_size); got {b} and {seq}")
     ckpt = pick(args.activation_checkpointing, lambda: mc.activation_checkpointing, False)
     psi, largest = model_size(mc)
-    return dict(psi=psi, largest_unit=largest, micro_batch=b,
-                seq=seq, activation_checkpointing=ckpt,
+    # the config as the flags change it, for the per-phase peaks (`predict_peaks`)
+    run_cfg = cfg.model_copy(update={
+        "model": mc.model_copy(update={"activation_checkpointing": ckpt}),
+        "precision": cfg.precision.model_copy(update={
+            "dtype": precision, "grad_accum_dtype": pick(
+                args.grad_dtype, lambda: cfg.precision.grad_accum_dtype, "fp32")}),
+        "optimizer": cfg.optimizer.model_copy(update={
+            "name": pick(args.optimizer, lambda: cfg.optimizer.name, "adamw"),
+            "momentum": pick(args.momentum, lambda: cfg.optimizer.momentum, 0.0)})})
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dict(psi=psi, largest_unit=largest, micro_batch=b, config=run_cfg,
+                device=args.device, seq=seq, activation_checkpointing=ckpt,
                 activations=activation_bytes(mc, b, seq, checkpointing=ckpt,
                                              act_bytes=activation_dtype_bytes(precision)))
 
@@ -243,8 +267,68 @@ def _report(s: dict, rows: list[tuple[str, int, bool]], args: argparse.Namespace
             r["traffic"]["time_s"] = tr.time_s(args.bandwidth, args.latency)
         if args.max_params:
             r.update(_largest(s, stage, off))
+        if "config" in s:
+            r["peaks"] = predict_peaks(s["config"], s["world_size"], stage, off,
+                                       device=s["device"], micro_batch=s["micro_batch"],
+                                       seq=s["seq"])
         out["rows"].append(r)
+    out.pop("config", None)
     return out
+
+
+def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
+                  device: str = "cpu", micro_batch: int | None = None,
+                  seq: int | None = None) -> dict[str, Any]:
+    """A run of `cfg` at this stage, per rank: each phase's bytes above the process's
+    baseline (`memory.phase_estimates`, fed with the flat buffers the engine cuts, by the
+    engine's own functions) and the init and steady peaks including the baseline.
+
+    device "cpu": resident memory as the OS counts it (the CPU runtime's baseline,
+    allocator retention, a high-water mark); "cuda": what the allocator counts.
+    bench/capacity.py holds these numbers against measured runs.
+    """
+    import torch
+
+    from zerotrain.models import build_model, plan_for
+    from zerotrain.models.plan import unit_members
+    from zerotrain.numerics.precision import PrecisionPolicy
+    from zerotrain.optim import resolve_compile
+    from zerotrain.zero.base import Strategy
+    from zerotrain.zero.flat import bucket_params
+
+    model = build_model(cfg.model, device="meta")
+    plan = plan_for(model)
+    named = [(n, p, int(plan.group_of(n))) for n, p in model.named_parameters()
+             if p.requires_grad]
+    pol = PrecisionPolicy.from_config(cfg.precision)
+    if stage == 3:  # ZeRO-3's units; stages 0-2 cut size-bounded buckets
+        groups = [ps for _, ps, _ in unit_members(model, plan, named)]
+    else:
+        groups = bucket_params(named, max(1, int(cfg.zero.bucket_mb * 2**20
+                                                 / pol.reduce_dtype.itemsize)))
+    numels = [sum(t[1].numel() for t in g) for g in groups]
+    k = state_bytes_per_param(cfg.optimizer.name, cfg.optimizer.momentum)
+    bpp = BytesPerParam(pol.param_dtype.itemsize, pol.grad_dtype.itemsize,
+                        pol.master_dtype.itemsize if pol.master_dtype else 0, k)
+    own = sum(shard_numel(n, world) for n in numels) if stage else sum(numels)
+    compiled = cfg.optimizer.name in ("adam", "adamw") and resolve_compile(
+        cfg.optimizer.compile, [{"params": [torch.empty(own, device="meta")]}])
+    act = activation_bytes(cfg.model, micro_batch or cfg.data.micro_batch_size,
+                           seq or cfg.model.block_size,
+                           act_bytes=activation_dtype_bytes(cfg.precision.dtype))
+    cpu = device == "cpu"
+    phases = phase_estimates(
+        numels, world, stage, bpp, offload=offload,
+        largest_unit=max(numels) if stage == 3 else 0, activations=act,
+        reduce_bytes=pol.reduce_dtype.itemsize, in_flight=Strategy.max_in_flight,
+        prefetch=cfg.zero.prefetch, high_water=cpu,
+        largest_param=max(p.numel() for _, p, _ in named),
+        runtime=COMPILE_RUNTIME_BYTES if compiled else 0,
+        retention=CPU_RETENTION if cpu else 0.0)
+    base = CPU_BASELINE_BYTES if cpu else 0
+    return {"phases": phases, "baseline": base, "init": base + phases["init"],
+            "steady": base + steady_peak(phases), "device": device,
+            "optimizer_compiled": compiled, "buffer_numels": numels}
 
 
 @command("estimate")

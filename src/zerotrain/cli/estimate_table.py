@@ -108,6 +108,28 @@ def _largest_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
     return lines
 
 
+def _peak_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
+    """--model: each row's predicted init and steady peak per rank (`predict_peaks`)."""
+    rows = [r for r in rep["rows"] if "peaks" in r]
+    if not rows:
+        return []
+    p0 = rows[0]["peaks"]
+    what = ("resident memory of a CPU rank: the torch runtime "
+            f"{p0['baseline'] / unit[1]:.2f} {unit[0]} + model states + transients + "
+            "allocator retention" if p0["device"] == "cpu" else
+            "bytes the CUDA allocator holds (max_memory_allocated)")
+    head = f"{'stage':<15}|{'init':>{_W}}{'steady':>{_W}} |" + "".join(
+        f"{c:>{_W}}" for c in ("forward", "backward", "step"))
+    lines = ["", f"predicted peak per rank ({what}):", head, "-" * len(head)]
+    for r in rows:
+        ph = r["peaks"]["phases"]
+        lines.append(f"{r['label']:<15}|{_fmt(r['peaks']['init'], unit[1])}"
+                     f"{_fmt(r['peaks']['steady'], unit[1])} |"
+                     + "".join(_fmt(ph[k] + r["peaks"]["baseline"], unit[1])
+                               for k in ("forward", "backward", "step")))
+    return lines
+
+
 def format_table(rep: dict) -> str:
     """The human table: one row per stage, device and host parts, traffic, FITS."""
     unit = display_unit(rep)
@@ -123,6 +145,7 @@ def format_table(rep: dict) -> str:
     lines = [*_head(rep, unit), groups, head, "-" * len(head)]
     lines += [_row_line(r, unit[1], limits) for r in rep["rows"]]
     lines += _notes(rep, unit)
+    lines += _peak_lines(rep, unit)
     if rep["rows"] and "max_params" in rep["rows"][0]:
         lines += _largest_lines(rep, unit)
     return "\n".join(lines)

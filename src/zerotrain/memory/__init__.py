@@ -22,7 +22,15 @@ from zerotrain.memory.measure import (
     proc_status,
     reset_peak_rss,
 )
-from zerotrain.memory.phases import PHASES, phase_estimates
+from zerotrain.memory.phases import (
+    COMPILE_RUNTIME_BYTES,
+    CPU_BASELINE_BYTES,
+    CPU_RETENTION,
+    PHASES,
+    bucket_pool_numel,
+    phase_estimates,
+    steady_peak,
+)
 from zerotrain.memory.states import (
     FIELDS,
     PRECISIONS,
@@ -45,10 +53,11 @@ from zerotrain.memory.traffic import (
 )
 
 __all__ = [
+    "COMPILE_RUNTIME_BYTES", "CPU_BASELINE_BYTES", "CPU_RETENTION",
     "FIELDS", "PHASES", "PRECISIONS", "BytesPerParam", "CollectiveCost", "MemoryEstimate",
     "PhasePeaks", "Traffic", "activation_bytes", "activation_dtype_bytes",
-    "block_activation_bytes", "bytes_per_param", "collective_cost", "estimate",
+    "block_activation_bytes", "bucket_pool_numel", "bytes_per_param", "collective_cost", "estimate",
     "head_activation_bytes", "max_params", "measured_process_memory", "model_state_bytes",
     "model_state_bytes_from_buffers", "phase_estimates", "precision_bytes", "proc_status",
-    "reset_peak_rss", "shard_numel", "traffic_per_step",
+    "reset_peak_rss", "shard_numel", "steady_peak", "traffic_per_step",
 ]

@@ -37,9 +37,20 @@ def generator_for(seed: int, name: str) -> torch.Generator:
 
 
 def fill_normal(t: Tensor, std: float, g: torch.Generator) -> None:
-    """N(0, std²) drawn on the CPU (the same numbers whatever device `t` lives on)."""
+    """N(0, std²) drawn on the CPU (the same numbers whatever device `t` lives on).
+
+    A contiguous fp32 CPU tensor of 16+ elements is filled in place: `normal_(0, std)`
+    gives exactly `randn(...) * std` there, without the two full-size temporaries, which
+    glibc would otherwise leave resident (blocks under its 32 MiB mmap threshold come from
+    heaps it keeps): measured +16–110 MiB at ZeRO-3 init of a 50M model, 1 rank in 3.
+    Below 16 elements torch draws by another path, so those keep the original form.
+    """
     with torch.no_grad():
-        t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * std)
+        if (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                and t.numel() >= 16):
+            t.normal_(0.0, std, generator=g)
+        else:
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * std)
 
 
 def init_decoder_param(model: nn.Module, name: str, t: Tensor, seed: int,

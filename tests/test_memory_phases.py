@@ -1,0 +1,176 @@
+"""Peak memory per phase (`memory.phase_estimates`): hand-computed cases, the bucket-pool
+replay against the real `ShardedGrads` pool, the estimate CLI's buffers against the
+engine's, and one real run whose measured phases match the prediction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from zerotrain.cli.estimate import main_estimate, predict_peaks
+from zerotrain.config import build_config
+from zerotrain.memory import (
+    CPU_BASELINE_BYTES,
+    BytesPerParam,
+    bucket_pool_numel,
+    phase_estimates,
+    steady_peak,
+)
+from zerotrain.zero.grads import ShardedGrads
+from zerotrain.zero.unit import Unit
+
+from multirank import run_ranks
+
+FP32_ADAMW = BytesPerParam(params=4, grads=4, master=0, optimizer=8)
+MIXED_ADAMW = BytesPerParam(params=2, grads=2, master=4, optimizer=8)
+
+
+# ----------------------------------------------------------------------------- by hand
+
+
+def test_stage0_by_hand():
+    # buffers of 10 and 6 elements, fp32 AdamW, N = 2: nothing sharded.
+    # states: params 4·16 + grads 4·16 + Adam 8·16 = 256; save adds Adam 128 + params 64.
+    got = phase_estimates([10, 6], 2, 0, FP32_ADAMW, activations=7, largest_param=3)
+    assert got == {"init": 128,                # no Adam states before the first step
+                   "forward": 256 + 7,
+                   "backward": 256 + 7 + 3 * 4,  # + autograd's fresh gradient of 3 elements
+                   "step": 256, "save": 256 + 128 + 64}
+
+
+def test_stage2_by_hand_with_pool_runtime_and_retention():
+    # N = 2: params full 4·16 = 64; grads 4·8 = 32, Adam 8·8 = 64 → states 160.
+    # pool: buckets of 10 and 6 (fp32) both alive in one backward → 16·4 = 64.
+    got = phase_estimates([10, 6], 2, 2, FP32_ADAMW, runtime=20, retention=0.5)
+    assert got == {"init": 96, "forward": int(1.5 * (160 + 64 + 20)),
+                   "backward": int(1.5 * (160 + 64 + 20)), "step": int(1.5 * (160 + 64 + 20)),
+                   "save": int(1.5 * (160 + 64 + 20 + 64 + 32))}  # Adam + owned params
+
+
+def test_stage3_by_hand():
+    # mixed precision, N = 2, units of 10 and 6 (shards 5 and 3 = 8 elements):
+    # params 2·8, grads 2·8, master 4·8, Adam 8·8 → 128; unit 10 in bf16 = 20 bytes,
+    # gathered with prefetch 40; pool: buckets of 10 and 6 in fp32 reduce → 64.
+    got = phase_estimates([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, activations=5)
+    assert got["init"] == 128 - 64 + 20
+    assert got["forward"] == 128 + 64 + 40 + 5
+    assert got["step"] == 128 + 64
+    assert got["save"] == 128 + 64 + 4 * 8 + 8 * 8  # master and Adam serialised
+    no_prefetch = phase_estimates([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, prefetch=False)
+    assert no_prefetch["forward"] == 128 + 64 + 20
+
+
+def test_offload_fp32_keeps_a_separate_master_and_high_water_is_monotone():
+    live = phase_estimates([10, 6], 2, 3, FP32_ADAMW, offload=True, largest_unit=10)
+    # params 32, grads 32, a host master 32 (fp32 has none on the device), Adam 64
+    assert live["step"] == 160 + 64 and live["init"] == 96 + 40
+    hw = phase_estimates([10, 6], 2, 3, FP32_ADAMW, offload=True, largest_unit=10,
+                         activations=10_000, high_water=True)
+    values = list(hw.values())
+    assert values == sorted(values) and hw["save"] == hw["forward"]
+    assert steady_peak(hw) == hw["forward"]
+
+
+# ----------------------------------------------------------------------------- pool
+
+
+@pytest.mark.parametrize("sizes", [[8] * 6, [10, 6, 10, 6, 10, 6], [3, 5, 5, 5, 5, 3, 9],
+                                   [7]])
+def test_bucket_pool_replay_matches_the_real_pool(sizes):
+    """Drive `ShardedGrads` through one backward exactly as the strategy does (take a
+    bucket, enqueue, retire the oldest past `in_flight`) and count what it allocated."""
+    world, in_flight = 2, 2
+    grads = ShardedGrads(torch.float32, torch.device("cpu"), pool_size=in_flight)
+    made: set[int] = set()
+    pending: list[Unit] = []
+    for i, n in enumerate(sizes):
+        u = Unit.build(i, f"u{i}", [(f"p{i}", torch.nn.Parameter(torch.zeros(n)), 0)],
+                       world, 0)
+        u.params = torch.zeros(u.padded_numel)
+        made.add(grads.target(u).data_ptr())
+        pending.append(u)
+        if len(pending) > in_flight:
+            grads.release(pending.pop(0))
+    for u in pending:
+        grads.release(u)
+    pooled = sum(b.numel() for free in grads.pool.values() for b in free)
+    assert len(made) == sum(len(f) for f in grads.pool.values())  # nothing dropped
+    assert bucket_pool_numel(sizes, world, in_flight) == pooled
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_estimate_uses_the_engines_buffers_and_prints_peaks(tmp_path, capsys):
+    from zerotrain.engine import Engine
+    from zerotrain.models import build_model
+
+    model = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
+    for stage in (0, 2, 3):
+        cfg = build_config({"model": model, "zero": {"stage": stage, "bucket_mb": 0.05},
+                            "train": {"device": "cpu"}})
+        eng = Engine(build_model(cfg.model, device="meta"), cfg, torch.device("cpu"))
+        got = predict_peaks(cfg, 1, stage, device="cpu")
+        assert got["buffer_numels"] == eng.strategy.buffer_numels()
+        assert got["steady"] == CPU_BASELINE_BYTES + steady_peak(got["phases"])
+        eng.close()
+    path = tmp_path / "m.yaml"
+    path.write_text(json.dumps({"model": model, "precision": {"dtype": "fp32"}}))
+    assert main_estimate(["--model", str(path), "--gpus", "2", "--device", "cuda",
+                          "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert all(r["peaks"]["baseline"] == 0 and r["peaks"]["init"] > 0 for r in rows)
+    assert main_estimate(["--model", str(path), "--gpus", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak per rank (resident memory of a CPU rank" in out
+    assert out.splitlines()[-1].startswith("ZeRO-3+offload |")
+
+
+# ----------------------------------------------------------------------------- real run
+
+#: 9.5M parameters (3 blocks × 512): model states 150 MB at stage 0, big enough to see.
+REAL = {"n_layer": 3, "n_head": 4, "n_embd": 512, "block_size": 64}
+#: How far a small run's measured phases (above the engine's baseline) may be from the
+#: prediction: 10 %, the estimator's target at scale, plus 32 MiB fixed — glibc's largest
+#: mmap threshold: blocks under it (every activation, per-parameter gradient and init draw
+#: of this model) are served from heaps that keep freed memory, in amounts no formula
+#: tracks, and the first forward/backward loads kernels and code (oneDNN, SDPA). Measured
+#: on this machine, 2 runs per stage 0-3: -7..+12 MiB at init, +4..+30 MiB afterwards. It
+#: still fails a prediction that forgets a term: ZeRO-3's bucket pool here is 38 MB, the
+#: Adam states 76 MB.
+def tolerance(predicted: int) -> float:
+    return 0.10 * predicted + 32 * 2**20
+
+
+def _measure(stage: int) -> dict:
+    from zerotrain.engine import Engine
+    from zerotrain.memory import activation_bytes
+    from zerotrain.models import build_model
+
+    cfg = build_config({"model": REAL, "data": {"micro_batch_size": 2},
+                        "zero": {"stage": stage}, "precision": {"dtype": "fp32"},
+                        "train": {"device": "cpu"}})
+    torch.manual_seed(0)
+    eng = Engine(build_model(cfg.model, device="meta"), cfg, torch.device("cpu"))
+    x = torch.randint(0, 256, (2, 64))
+    for _ in range(3):
+        eng.backward(eng(x, x))
+        eng.step()
+    act = activation_bytes(cfg.model, 2, 64, act_bytes=4)
+    got = eng.memory_phases(activations=act)
+    pred = predict_peaks(cfg, 1, stage, micro_batch=2, device="cpu")["phases"]
+    eng.close()
+    return {"measured": got["measured"], "predicted": pred}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_measured_phases_match_the_prediction(stage):
+    """A fresh process (run_ranks, 1 rank), meta-built GPT, 3 steps: each phase's
+    measured peak above the engine's baseline is the prediction within `tolerance`."""
+    (res,) = run_ranks(_measure, 1, stage)
+    m, p = res["measured"], res["predicted"]
+    for phase in ("init", "forward", "backward", "step"):
+        assert abs(m[phase] - p[phase]) <= tolerance(p[phase]), \
+            (phase, m[phase] / 2**20, p[phase] / 2**20)
