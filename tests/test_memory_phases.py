@@ -60,6 +60,9 @@ def test_stage3_by_hand():
     assert got["save"] == 128 + 64 + 4 * 8 + 8 * 8  # master and Adam serialised
     no_prefetch = phase_estimates([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, prefetch=False)
     assert no_prefetch["forward"] == 128 + 64 + 20
+    # on a CPU the never-zeroed gradient shard (2·8 bytes) is not resident at init
+    lazy = phase_estimates([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, lazy_grads=True)
+    assert lazy["init"] == 128 - 64 - 16 + 20 and lazy["step"] == got["step"]
 
 
 def test_offload_fp32_keeps_a_separate_master_and_high_water_is_monotone():

@@ -68,7 +68,7 @@ def test_each_rank_reads_only_the_slices_it_keeps(tmp_path):
 
 
 #: ~50M parameters: 4 blocks of 12.6M (50 MB units), so one unit is visible next to
-#: the shard (100 MB of parameters + 100 MB of gradients per rank).
+#: the shard (100 MB of parameters per rank).
 BIG = {"n_layer": 4, "n_head": 8, "n_embd": 1024, "block_size": 64}
 #: The init bound's fixed overhead: what a unit's materialisation allocates besides its
 #: buffers — Python objects, the parameter views, allocator rounding. Measured: 0.6–0.9
@@ -85,9 +85,11 @@ def _init_peak() -> dict:
                         "optimizer": {"compile": False}})
     torch.manual_seed(0)
     eng = Engine(build_model(cfg.model, device="meta"), cfg, torch.device("cpu"))
-    shard = eng.strategy.memory_breakdown()["device"]  # params, grads (master = params)
+    # fp32: the master is the parameter shard; the gradient shard is never zeroed, so its
+    # pages become resident at the first backward (zero/grads.py), not at init
+    shard = eng.strategy.memory_breakdown()["device"]["params"]
     unit = max(u.padded_numel for u in eng.strategy.units) * 4
-    out = {"init": eng.memory_phases()["measured"]["init"], "shard": sum(shard.values()),
+    out = {"init": eng.memory_phases()["measured"]["init"], "shard": shard,
            "unit": unit, "params": sum(u.numel for u in eng.strategy.units)}
     eng.close()
     return out

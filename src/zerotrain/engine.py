@@ -330,7 +330,8 @@ class Engine(DeepSpeedAPI):
             s.buffer_numels(), self.world_size, s.stage, bpp, offload=s.offload,
             largest_unit=largest, activations=activations,
             reduce_bytes=p.reduce_dtype.itemsize, in_flight=s.max_in_flight,
-            prefetch=self.config.zero.prefetch, high_water=self.device.type == "cpu")
+            prefetch=self.config.zero.prefetch, high_water=self.device.type == "cpu",
+            lazy_grads=self.device.type == "cpu")
         base = self.phases.baseline
         measured = {k: v - base for k, v in self.phases.peaks.items()}
         return {"measured": measured, "predicted": {k: predicted[k] for k in measured}}

@@ -12,8 +12,10 @@ ZeRO table plus what each phase adds. The engine measures the same phases
   lazily), so init holds everything but them; every later phase holds them all.
 - **init** — the model is materialised one unit at a time (a meta-device model), its
   initial values drawn in place into the unit's buffer (models/init.py): ZeRO-3 holds
-  one unit's full buffer while it cuts the shard and allocates the gradient shard
-  (`largest_unit`); stages 0-2 keep their buffers, nothing transient.
+  one unit's full buffer while it cuts the shard (`largest_unit`); stages 0-2 keep their
+  buffers, nothing transient. Stages 2-3 never zero their gradient shard (each backward's
+  first reduction overwrites it), so on a CPU its pages become resident only at the first
+  backward (`lazy_grads`); a GPU's allocator counts it at init.
 - **gathered units** (ZeRO-3) — the running unit and, with prefetch, the next one.
 - **activations** — saved for backward (`activation_bytes`); the caller counts them.
 - **bucket pool** (stages 2–3) — a unit's gradients land in a full-size bucket of the
@@ -94,14 +96,15 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
                     *, offload: bool = False, largest_unit: int = 0, activations: int = 0,
                     reduce_bytes: int = 4, in_flight: int = 2, prefetch: bool = True,
                     high_water: bool = False, largest_param: int = 0, runtime: int = 0,
-                    retention: float = 0.0) -> dict[str, int]:
+                    retention: float = 0.0, lazy_grads: bool = False) -> dict[str, int]:
     """Bytes above the baseline at each phase's peak, per rank (device and host together,
     as one CPU process sees them). `largest_param`: elements of the largest parameter
     (autograd's fresh gradient); `runtime`: resident bytes the first step adds
     for good (`COMPILE_RUNTIME_BYTES` when the optimizer is compiled); `retention`: the
     allocator's allowance (`CPU_RETENTION` for a CPU process). `high_water`: the running
     maximum over the phases in order — what a resident-set high-water mark measures on
-    CPU, where freed memory usually stays with the process."""
+    CPU, where freed memory usually stays with the process. `lazy_grads`: stages 2-3's
+    gradient shard is not resident at init (a CPU process)."""
     est = model_state_bytes_from_buffers(
         buffer_numels, world, stage, param_bytes=bpp.params, grad_bytes=bpp.grads,
         master_bytes=bpp.master, optim_bytes=bpp.optimizer, offload=offload,
@@ -116,8 +119,9 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
     if bpp.master == 0 and not offload:  # fp32: this rank's parameters are its master
         owned = [shard_numel(n, world) for n in buffer_numels] if stage else buffer_numels
         saved += bpp.params * sum(owned)
+    grads = est.device["grads"] + est.host["grads"] if lazy_grads and stage >= 2 else 0
     live = {
-        "init": states - optimizer + unit,
+        "init": states - optimizer - grads + unit,
         "forward": held + gathered + activations,
         "backward": held + gathered + activations + largest_param * bpp.grads,
         "step": held,

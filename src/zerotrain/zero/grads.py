@@ -80,7 +80,11 @@ class ShardedGrads(FullGrads):
         self.pool_size = pool_size
 
     def allocate(self, u: Unit) -> None:
-        u.grad = torch.zeros(u.shard_numel, dtype=self.dtype, device=self.host)
+        """The shard is never zeroed: each backward's first reduction writes it whole
+        (`landing`), later micro-steps add. So it is left uninitialised — on a CPU a large
+        allocation's pages then become resident only at the first backward, as optimizer
+        states do at the first step, and init holds no gradient memory."""
+        u.grad = torch.empty(u.shard_numel, dtype=self.dtype, device=self.host)
 
     def target(self, u: Unit) -> Tensor:
         """The unit's bucket, taken when its first gradient arrives. The other parameters'
@@ -97,21 +101,29 @@ class ShardedGrads(FullGrads):
     def landing(self, u: Unit) -> tuple[Tensor, Callable[[], None]]:
         """Where this micro-step's reduced shard lands, and what to do once it has.
 
-        The first contribution since `clear` reduces straight into the shard; later ones
-        (accumulation, or a shard of another dtype or on the host) land in a temporary
-        that is added to it.
+        The first contribution since `clear` overwrites the shard — straight into it when
+        dtype and device agree, else copied from a temporary; later ones (accumulation)
+        land in a temporary that is added to it.
         """
         bucket, shard = self.target(u), u.grad
-        direct = not u.grad_dirty and shard.dtype == bucket.dtype and shard.device == bucket.device
+        first = not u.grad_dirty
+        direct = first and shard.dtype == bucket.dtype and shard.device == bucket.device
         out = shard if direct else torch.empty(u.shard_numel, dtype=bucket.dtype,
                                                device=self.device)
         u.grad_dirty = True
 
         def done() -> None:
-            if not direct:
+            if first and not direct:
+                shard.copy_(out)
+            elif not direct:
                 shard.add_(out.to(shard.device))
             self.release(u)
         return out, done
+
+    def clear(self, units: list[Unit]) -> None:
+        """Nothing to zero: the next backward's first reduction overwrites each shard."""
+        for u in units:
+            u.grad_dirty = False
 
     def owned(self, u: Unit, lo: int, hi: int) -> Tensor:
         return u.grad

@@ -56,9 +56,11 @@ class HostGrads(ShardedGrads):
         self.registered: list[Tensor] = []
 
     def allocate(self, u: Unit) -> None:
-        u.grad = host_buffer(u.shard_numel, self.dtype, self.gpu)
-        if self.gpu:
-            self.registered.append(u.grad)
+        if not self.gpu:  # a CPU rank: the plain (uninitialised) host shard
+            super().allocate(u)
+            return
+        u.grad = host_buffer(u.shard_numel, self.dtype, True)
+        self.registered.append(u.grad)
 
     def landing(self, u: Unit):
         if not self.gpu:
