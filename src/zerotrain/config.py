@@ -466,11 +466,6 @@ class Config(_Section):
         if s.warmup_start_lr > self.optimizer.lr:
             raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
                              f"optimizer.lr ({self.optimizer.lr})")
-        if self.optimizer.name == "muon" and self.zero.stage > 0:
-            raise ValueError(
-                "optimizer.name muon orthogonalises whole weight matrices, but zero.stage "
-                f"{self.zero.stage} gives each rank only a flat slice of them; use zero.stage 0"
-            )
         if s.decay_steps is not None and s.kind != "constant":
             end = (s.decay_start if s.decay_start is not None
                    else s.warmup_steps + s.hold_steps) + s.decay_steps
