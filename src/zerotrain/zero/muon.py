@@ -44,7 +44,6 @@ from zerotrain.optim.functional import muon_apply_
 from zerotrain.zero.flat import ParamSlot, Segment
 
 if TYPE_CHECKING:
-    from zerotrain.zero.base import Strategy
     from zerotrain.zero.unit import Unit
 
 METHODS = ("all_to_all", "scatter", "all_gather")
@@ -102,9 +101,12 @@ def _pieces(u: Unit, slot: ParamSlot) -> tuple[tuple[int, int], ...]:
 
 
 class MuonOwners:
-    """The ownership plan of one strategy, and the exchange that carries it out."""
+    """The ownership plan of one strategy, and the exchange that carries it out.
 
-    def __init__(self, strategy: Strategy, method: str = "all_to_all"):
+    `strategy` is the `zero.base.Strategy` that builds this (untyped here: base imports
+    this module): its units, comm, `opt_range`, `owned_grad`, `attach_grads`."""
+
+    def __init__(self, strategy: Any, method: str = "all_to_all"):
         if method not in METHODS:
             raise ValueError(f"distributed Muon method must be one of {METHODS}, got {method!r}")
         s = self.s = strategy
@@ -166,6 +168,11 @@ class MuonOwners:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """attach → step → detach, with the matrices' exchange around the step."""
         s = self.s
+        if not self.matrices:  # a model without matrices: nothing to exchange
+            s.attach_grads()
+            optimizer.step()
+            s.detach_grads()
+            return
         grads = self.gather_grads()
         s.attach_grads(self.elementwise)
         self._grow()
