@@ -38,7 +38,7 @@ from zerotrain.zero.muon import assign_owners, ns_cost
 from multirank import run_ranks
 from zero_harness import rel_err, run_many, train_tiny
 
-STEPS = 5
+STEPS = 4
 TOL = 1e-5
 # Buckets of ~13k elements: three for the tiny GPT (fewer collectives), still cut so that
 # matrices straddle shard boundaries (asserted per case).
@@ -73,10 +73,10 @@ BITWISE = [  # clipping off: (case, index of its replicated stage-0 reference, m
     (case(NOCLIP, ACCUM, stage=0), None, 4),
     (case(NOCLIP, ACCUM, stage=1), 6, 4),
 ]
-#: which CASES (indices) and whether BITWISE each world size runs: spawning ranks and
+#: which CASES and BITWISE cases (indices) each world size runs: spawning ranks and
 #: collectives on a shared 2-core machine are the slow part
-ALL = tuple(range(len(CASES)))
-PLAN = {1: (ALL, True), 2: ((), True), 3: (ALL, True), 4: ((0, 1, 3, 4, 5), False)}
+ALL, ALL_B = tuple(range(len(CASES))), tuple(range(len(BITWISE)))
+PLAN = {1: (ALL, ALL_B), 2: ((), ALL_B), 3: (ALL, (0, 1, 2, 3)), 4: ((0, 3, 4, 5), ())}
 
 
 def _accum(case: dict) -> int:
@@ -154,26 +154,21 @@ def _many(cases: list[dict], steps: int, comm: bool = False) -> dict:
     return {"runs": run_many(cases, steps, probe), "comm": _comm_checks() if comm else None}
 
 
-def _cases(world: int) -> tuple[list[dict], list[dict]]:
-    cases, bitwise = PLAN[world]
-    return [CASES[i] for i in cases], [c for c, _, _ in BITWISE] if bitwise else []
-
-
 @functools.cache
 def results(world: int) -> list[dict]:
-    """Per rank: {"runs": one result per case of `_cases(world)`, "comm": ...}."""
-    cases, bitwise = _cases(world)
-    cases = cases + bitwise
+    """Per rank: {"runs": one result per case PLAN names, "comm": ...}."""
+    cases, bitwise = PLAN[world]
+    todo = [CASES[i] for i in cases] + [BITWISE[i][0] for i in bitwise]
     if world == 1:
-        return [_many(cases, STEPS)]
-    return run_ranks(_many, world, cases, STEPS, world == 3)
+        return [_many(todo, STEPS)]
+    return run_ranks(_many, world, todo, STEPS, world == 3)
 
 
-def runs(world: int, rank: int = 0) -> tuple[list[dict], list[dict]]:
-    """(results of CASES, results of BITWISE) as far as `world` runs them."""
+def runs(world: int, rank: int = 0) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(results of CASES, results of BITWISE) by index, as far as `world` runs them."""
+    cases, bitwise = PLAN[world]
     got = results(world)[rank]["runs"]
-    k = len(_cases(world)[0])
-    return got[:k], got[k:]
+    return dict(zip(cases, got)), dict(zip(bitwise, got[len(cases):]))
 
 
 # ----------------------------------------------------------------------------- equivalence
@@ -182,24 +177,27 @@ def runs(world: int, rank: int = 0) -> tuple[list[dict], list[dict]]:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_muon_stages_match_single_process(world):
     clipped, unclipped = runs(world)
-    for c, res in zip(_cases(world)[0], clipped):
+    for i, res in clipped.items():
+        c = CASES[i]
         _close(res, reference(_accum(c)), f"{c} at N={world}")
         if world > 1:  # the layout really cuts matrices (stated, not hoped)
             assert res["muon"]["straddling"], f"{c} at N={world}: no matrix straddles"
             assert len(res["muon"]["shares"]) == world
         elif c["zero"]["stage"] < 3:  # stage 0's buckets, one rank: bit for bit
             assert _bitwise(res, reference(_accum(c))), c
-    for (c, _, _), res in zip(BITWISE, unclipped):
+    for i, res in unclipped.items():
+        c = BITWISE[i][0]
         _close(res, reference(_accum(c), clip=False), f"{c} at N={world}")
     for r in range(1, world):  # every rank ends with identical weights
-        for a, b in zip([*clipped, *unclipped], [x for xs in runs(world, r) for x in xs]):
+        for a, b in zip(results(world)[0]["runs"], results(world)[r]["runs"]):
             assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_muon_bitwise_where_the_reduction_order_is_the_same(world):
     _, unclipped = runs(world)
-    for (c, ref, upto), res in zip(BITWISE, unclipped):
+    for i, res in unclipped.items():
+        c, ref, upto = BITWISE[i]
         if ref is not None and world <= upto:
             assert _bitwise(res, unclipped[ref]), f"{c} at N={world} differs from stage 0"
 
@@ -209,7 +207,7 @@ def test_partly_reduced_gradient_is_never_orthogonalised():
     rank's own shard. An owner reading its buffer for a straddling matrix would feed
     Newton–Schulz a gradient that is ~all wrong off its shard (asserted: the trap is
     live at every step); the gathered one gives the exact run (above, case 0)."""
-    gaps = [g for r in range(3) for g in runs(3, r)[0][0]["probe"]["naive_gap"]]
+    gaps = [g for r in range(3) for g in runs(3, r)[0][0]["probe"]["naive_gap"]]  # ZeRO-1
     assert len(gaps) >= STEPS and min(gaps) > 0.05
 
 
@@ -221,7 +219,8 @@ def test_traffic_counted_equals_model():
     distributed Muon's exact terms (two all-to-alls), for every case without accumulation."""
     world = 3
     for r in range(world):
-        for c, res in zip(CASES, runs(world, r)[0]):
+        for i, res in runs(world, r)[0].items():
+            c = CASES[i]
             if _accum(c) > 1:
                 continue
             muon = muon_traffic(res["muon"]["pieces"], r, grad_bytes=4, update_bytes=4)

@@ -3,7 +3,7 @@
 Muon's update of a matrix is a Newton–Schulz iteration on its whole momentum, so a ZeRO
 shard holding a flat slice of the matrix cannot compute its own part. Every matrix of the
 plan's MATRIX group (2-D and up) gets one owner rank, chosen once from the shapes alone:
-longest-processing-time first on the cost of one iteration, m·n·min(m, n). Each step,
+longest-processing-time first on the cost of one iteration, ~ m·n·min(m, n). Each step,
 after `finish_backward` has waited for every reduction of the step (so no gradient is
 read half reduced — DeepSpeed's bug with matrices that straddle a partition):
 
@@ -51,9 +51,14 @@ MATRIX = int(Group.MATRIX)
 
 
 def ns_cost(shape: Sequence[int]) -> int:
-    """Work of one Newton–Schulz iteration up to a constant: m·n·min(m, n)."""
+    """Multiply-adds of one Newton–Schulz iteration on an m×n matrix, ~ m·n·min(m, n):
+    X·Xᵀ and B·X cost min²·max each, A·A costs min³ (functional.newton_schulz works on
+    the smaller Gram matrix). The min³ term makes a square matrix 3/2 times as costly
+    as m·n·min alone says, relative to a very wide one — it matters for balance when
+    square attention projections sit beside wide MLP matrices."""
     m, n = shape[0], math.prod(shape[1:])
-    return m * n * min(m, n)
+    lo, hi = min(m, n), max(m, n)
+    return 2 * lo * lo * hi + lo ** 3
 
 
 def assign_owners(costs: Sequence[int], world: int) -> list[int]:
