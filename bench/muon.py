@@ -3,7 +3,8 @@
     .venv/bin/python bench/muon.py                                  # gpt + llama-60m, N = 2, 4
     .venv/bin/python bench/muon.py --models gpt --worlds 2 --steps 3
 
-Systems (each model and world size is one torchrun job; systems run one after another):
+Systems (each system, world size and round is its own torchrun job; rounds alternate the
+systems' order):
 - `replicated`: stage 0 — every rank all-reduces the gradients and runs Newton–Schulz on
   every matrix (today's DDP Muon).
 - `owner`: ZeRO-1 with distributed Muon (zero/muon.py) — each matrix's reduced gradient
@@ -15,13 +16,12 @@ Systems (each model and world size is one torchrun job; systems run one after an
 
 What is timed: `strategy.optimizer_step` (attach, the Muon exchange, optimizer.step —
 Newton–Schulz and the AdamW fallback —, detach, apply), the slowest rank per step, median
-over the measured steps of every round (rounds alternate the systems' order); and the
-CPU time of the same region (the busiest rank), which a shared machine's load distorts
-far less than wall time. Gradient
-reduction and the weight publish are outside it (the same bytes for stage 0's all-reduce
-and ZeRO-1's reduce-scatter + all-gather). Bytes: what one rank sends in the Muon
-exchange per step (max and mean over ranks, counted by Comm), beside the model's
-prediction (`memory.muon_traffic`). One thread per rank.
+over the measured steps of every round; and the CPU time of the same region (the busiest
+rank), which a shared machine's load distorts far less than wall time. Gradient reduction
+and the weight publish are outside it (the same bytes for stage 0's all-reduce and
+ZeRO-1's reduce-scatter + all-gather). Bytes: what one rank sends in the Muon exchange
+per step (max and mean over ranks, counted by Comm), beside the model's prediction for
+the all-to-all (`memory.muon_traffic`). One thread per rank.
 
 Models: the reference GPT (configs/default.yaml's shape: 4 layers, n_embd 192, byte
 vocabulary) and a llama preset (default llama-60m: 8 layers, n_embd 512, SwiGLU 1376).
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -97,56 +98,61 @@ def run_system(model: str, system: str, steps: int, warmup: int) -> dict[str, An
     out = {"times": times[warmup:], "cpu": cpu[warmup:], "muon_bytes": muon_bytes[warmup:],
            "total_bytes": total_bytes[warmup:],
            "params": sum(p.numel() for p in eng.module.parameters())}
+    out["predicted_bytes"] = 0
     if s.muon is not None:
         from zerotrain.memory import muon_traffic
 
         summary = s.muon.summary()
-        pred = muon_traffic(summary["pieces"], eng.rank, grad_bytes=4, update_bytes=4)
         out.update(shares=summary["shares"], matrices=summary["matrices"],
-                   straddling=len(summary["straddling"]),
-                   predicted_bytes=sum(c.sent_bytes for c in pred))
+                   straddling=len(summary["straddling"]))
+        if method == "all_to_all":  # the model of the chosen scheme, this rank's bytes
+            pred = muon_traffic(summary["pieces"], eng.rank, grad_bytes=4, update_bytes=4)
+            out["predicted_bytes"] = sum(c.sent_bytes for c in pred)
     eng.close()
     return out
 
 
 def worker(a: argparse.Namespace) -> None:
-    """All systems of one (model, N), under torchrun."""
+    """One system of one (model, N), under torchrun: a fresh process group per system."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    systems = a.systems.split(",")
-    got: dict[str, list[dict]] = {s: [] for s in systems}
-    for i in range(a.rounds):  # alternate the order: drift in machine load hits all alike
-        for system in systems if i % 2 == 0 else systems[::-1]:
-            dist.barrier()
-            got[system].append(run_system(a.model, system, a.steps, a.warmup))
-    rows = []
-    for system in systems:
-        r = {k: [x for g in got[system] for x in g[k]] if isinstance(v, list) and k != "shares"
-             else v for k, v in got[system][0].items()}
-        t = torch.tensor(r["times"], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets each step
-        c = torch.tensor(r["cpu"], dtype=torch.float64)
-        dist.all_reduce(c, op=dist.ReduceOp.MAX)
-        b = torch.tensor([float(max(r["muon_bytes"])), float(max(r["total_bytes"]))],
-                         dtype=torch.float64)
-        bmax, bsum = b.clone(), b.clone()
-        dist.all_reduce(bmax, op=dist.ReduceOp.MAX)
-        dist.all_reduce(bsum)
-        rows.append({"model": a.model, "world": n, "system": system,
-                     "step_ms": statistics.median(t.tolist()) * 1e3,
-                     "step_ms_all": [x * 1e3 for x in t.tolist()],
-                     "cpu_ms": statistics.median(c.tolist()) * 1e3,
-                     "muon_bytes_max": int(bmax[0]), "muon_bytes_mean": float(bsum[0]) / n,
-                     "total_bytes_max": int(bmax[1]), "params": r["params"],
-                     **{k: r[k] for k in ("shares", "matrices", "straddling",
-                                          "predicted_bytes") if k in r}})
-    if rank == 0:
-        Path(a.out).write_text(json.dumps(rows))
+    n = dist.get_world_size()
+    r = run_system(a.model, a.system, a.steps, a.warmup)
+    t = torch.tensor([r["times"], r["cpu"]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets each step
+    b = torch.tensor([float(max(r["muon_bytes"])), float(max(r["total_bytes"])),
+                      float(r["predicted_bytes"])], dtype=torch.float64)
+    bmax, bsum = b.clone(), b.clone()
+    dist.all_reduce(bmax, op=dist.ReduceOp.MAX)
+    dist.all_reduce(bsum)
+    if dist.get_rank() == 0:
+        row = {"model": a.model, "world": n, "system": a.system,
+               "step_ms_all": [x * 1e3 for x in t[0].tolist()],
+               "cpu_ms_all": [x * 1e3 for x in t[1].tolist()],
+               "muon_bytes_max": int(bmax[0]), "muon_bytes_mean": float(bsum[0]) / n,
+               "total_bytes_max": int(bmax[1]), "predicted_bytes_max": int(bmax[2]),
+               "params": r["params"],
+               **{k: r[k] for k in ("shares", "matrices", "straddling") if k in r}}
+        Path(a.out).write_text(json.dumps(row))
     dist.destroy_process_group()
+    # About one exit in four aborted in C++ teardown ("terminate called without an active
+    # exception", no Python frame; also for `replicated`, i.e. without the Muon exchange;
+    # not seen with bench/phases.py's worker), after the results were written: skip it.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _merge(runs: list[dict]) -> dict:
+    """One row from a system's rounds: medians over every measured step."""
+    row = dict(runs[0])
+    row["step_ms_all"] = [x for r in runs for x in r["step_ms_all"]]
+    row["cpu_ms_all"] = [x for r in runs for x in r["cpu_ms_all"]]
+    row["step_ms"] = statistics.median(row["step_ms_all"])
+    row["cpu_ms"] = statistics.median(row["cpu_ms_all"])
+    return row
 
 
 def _table(rows: list[dict]) -> str:
@@ -165,6 +171,18 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _job(a: argparse.Namespace, model: str, n: int, system: str, tmp: Path) -> dict:
+    out = tmp / f"{model}-{n}-{system}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={n}", str(Path(__file__).resolve()), "--worker",
+           "--model", model, "--system", system, "--steps", str(a.steps),
+           "--warmup", str(a.warmup), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not out.exists():
+        raise SystemExit(f"{model} N={n} {system} failed:\n{run.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt,llama-60m", help="gpt and/or preset names")
@@ -176,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(HERE / "results" / "muon.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0 or a.rounds < 1:
         p.error("--steps and --rounds must be >= 1, --warmup >= 0")
@@ -186,20 +205,16 @@ def main(argv: list[str] | None = None) -> None:
         worker(a)
         return
     rows: list[dict] = []
+    systems = a.systems.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for model in a.models.split(","):
             for n in (int(w) for w in a.worlds.split(",")):
-                out = Path(tmp) / f"{model}-{n}.json"
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={n}", str(Path(__file__).resolve()), "--worker",
-                       "--model", model, "--systems", a.systems, "--steps", str(a.steps),
-                       "--warmup", str(a.warmup), "--rounds", str(a.rounds),
-                       "--out", str(out)]
-                run = subprocess.run(cmd, capture_output=True, text=True)
-                if run.returncode != 0 or not out.exists():
-                    raise SystemExit(f"{model} N={n} failed:\n{run.stderr[-3000:]}")
-                rows += json.loads(out.read_text())
-                print(_table(rows[-len(a.systems.split(",")):]), flush=True)
+                got: dict[str, list[dict]] = {s: [] for s in systems}
+                for i in range(a.rounds):  # alternate the order: load drift hits all alike
+                    for system in systems if i % 2 == 0 else systems[::-1]:
+                        got[system].append(_job(a, model, n, system, Path(tmp)))
+                rows += [_merge(got[s]) for s in systems]
+                print(_table(rows[-len(systems):]), flush=True)
     print(_table(rows))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"rows": rows, "args": vars(a)}, indent=1))
