@@ -300,10 +300,15 @@ def test_stage3_keys_below_stage3_are_noted_not_refused():
 
 
 def test_invalid_mapped_config_is_one_zerotrain_error():
-    with pytest.raises(ConfigError, match=r"maps to an invalid zerotrain config: .*muon"):
+    with pytest.raises(ConfigError, match=r"maps to an invalid zerotrain config: .*warmup"):
         load_deepspeed_config({"train_micro_batch_size_per_gpu": 1,
-                               "zero_optimization": {"stage": 2},
-                               "optimizer": {"type": "Muon", "params": {"lr": 0.02}}})
+                               "zero_optimization": {"stage": 2}},
+                              overrides={"train": {"steps": 2}, "schedule": {"warmup_steps": 5}})
+    # Muon under ZeRO-2 is a valid mapping (distributed Muon, zero/muon.py)
+    cfg = load_deepspeed_config({"train_micro_batch_size_per_gpu": 1,
+                                 "zero_optimization": {"stage": 2},
+                                 "optimizer": {"type": "Muon", "params": {"lr": 0.02}}})
+    assert (cfg.optimizer.name, cfg.zero.stage) == ("muon", 2)
 
 
 # ----------------------------------------------------------------------------- YAML, loading

@@ -59,7 +59,10 @@ def full_params(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
-def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -> dict:
+def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None,
+               probe=None) -> dict:
+    """`probe(engine)`, if given, is called before training; what it returns (it may keep
+    filling it during training) comes back as res["probe"]."""
     from zerotrain.comm.dist import world
     from zerotrain.engine import Engine
 
@@ -71,6 +74,7 @@ def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = model_fn() if model_fn else GPT(cfg.model)
     eng = Engine(model, cfg, torch.device("cpu"))
+    probed = probe(eng) if probe is not None else None
     accum = cfg.data.grad_accum_steps
     b = cfg.data.micro_batch_size
     losses, norms, traffic = [], [], []
@@ -90,14 +94,15 @@ def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None) -
     res = {"params": full_params(eng), "losses": losses, "norms": norms, "traffic": traffic,
            "memory": mem, "buffer_numels": eng.strategy.buffer_numels(),
            "numel": sum(p.numel() for p in eng.module.parameters()),
-           "skipped": eng.scaler.skipped}
+           "skipped": eng.scaler.skipped, "probe": probed,
+           "muon": eng.strategy.muon.summary() if getattr(eng.strategy, "muon", None) else None}
     eng.close()
     return res
 
 
-def run_many(cases: list[dict], steps: int = 20) -> list[dict]:
+def run_many(cases: list[dict], steps: int = 20, probe=None) -> list[dict]:
     """Several configurations in one set of spawned ranks (spawning is the slow part)."""
-    return [train_tiny(c, steps) for c in cases]
+    return [train_tiny(c, steps, probe=probe) for c in cases]
 
 
 def rel_err(a: dict, b: dict) -> float:

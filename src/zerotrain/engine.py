@@ -207,9 +207,7 @@ class Engine(DeepSpeedAPI):
             s.scale_grads(coef / scale)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            s.attach_grads()
-            self.optimizer.step()
-            s.detach_grads()
+            s.optimizer_step(self.optimizer)
             s.after_step()
         s.zero_grad()
         self.global_step += 1
@@ -383,6 +381,8 @@ def initialize(model: nn.Module, config: Config | dict | str | Path | None = Non
     if launched_by_torchrun() and not torch.distributed.is_initialized():
         init_distributed(cfg.train.device, cfg.comm.backend, cfg.comm.timeout_s)
     engine = Engine(model, cfg, device)
+    if engine.rank == 0 and engine.strategy.muon is not None:
+        print(f"[zerotrain] {engine.strategy.muon.describe()}", flush=True)
     sched = cfg.schedule
     if engine.rank == 0 and (sched.kind != "constant" or sched.warmup_steps):
         lr = describe(cfg.optimizer.lr, cfg.train.steps, **schedule_kwargs(sched))

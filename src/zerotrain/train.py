@@ -276,6 +276,8 @@ def _start_lines(run: Run) -> None:
     run.report.say("[zerotrain] model states on rank 0 (bytes): " + ", ".join(
         f"{place} {k}={v:,}" for place in ("device", "host") for k, v in ms[place].items()
         if v))
+    if eng.strategy.muon is not None:  # distributed Muon: who updates which matrices
+        run.report.say(f"[zerotrain] {eng.strategy.muon.describe()}")
 
 
 def _phase_line(run: Run) -> None:

@@ -115,9 +115,13 @@ class SavedShards:
         return lambda name, a, b: self.read(kind, name, a, b)
 
     def state_names(self, params: list[str]) -> list[str]:
-        """Optimizer state names saved for any of these parameters."""
-        ids = {self.where[p][0] for p in params if p in self.where}
-        names = {k for (k, ui) in self.pieces if ui in ids and k != "master"}
+        """Optimizer state names saved for any of these parameters. A unit can hold tensors
+        of different optimizer paths (Muon's matrices, its AdamW fallback), so a name
+        counts only where its saved pieces overlap the parameters themselves."""
+        spans = [self.where[p] for p in params if p in self.where]
+        names = {k for (k, ui), pieces in self.pieces.items() if k != "master" and any(
+            ui == u and lo < off + n and off < hi
+            for u, off, n in spans for lo, hi, _r, _key in pieces)}
         names |= {k for (k, p) in self.scalars if p in params}
         return sorted(names)
 

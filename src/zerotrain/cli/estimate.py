@@ -32,6 +32,7 @@ from zerotrain.memory import (
     bytes_per_param,
     max_params,
     model_state_bytes,
+    muon_state_bytes,
     phase_estimates,
     shard_numel,
     steady_peak,
@@ -99,7 +100,7 @@ def training_refuses(optimizer: str, stage: int, offload: bool) -> str | None:
     """Why `zerotrain train` would refuse `optimizer` at this stage, or None.
 
     The config validator answers, so the estimator offers exactly what training accepts
-    (today: Muon at stage 0 only) and follows by itself when that rule changes.
+    and follows by itself when a rule changes.
     """
     from zerotrain.config import ConfigError, build_config
 
@@ -153,8 +154,22 @@ def _resolve(args: argparse.Namespace) -> dict:
         s["psi"] = parse_count(args.params, "--params")
         if args.largest_unit is not None:
             s["largest_unit"] = parse_count(args.largest_unit, "--largest-unit")
+    if s["optimizer"] == "muon":  # without --model every parameter counts as a matrix
+        s["muon_matrix_fraction"] = _matrix_fraction(cfg) if cfg is not None else 1.0
     s.update(_limits(args))
     return s
+
+
+def _matrix_fraction(cfg: Config) -> float:
+    """The share of the parameters Muon orthogonalises (the plan's MATRIX group, 2-D+);
+    the rest (embeddings, head, vectors) takes its AdamW fallback."""
+    from zerotrain.models import Group, build_model, plan_for
+
+    model = build_model(cfg.model, device="meta")
+    plan = plan_for(model)
+    sizes = [(p.numel(), plan.group_of(n) == Group.MATRIX and p.ndim >= 2)
+             for n, p in model.named_parameters()]
+    return sum(k for k, mat in sizes if mat) / max(1, sum(k for k, _ in sizes))
 
 
 def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., Any],
@@ -222,6 +237,11 @@ def _row(s: dict, stage: int, offload: bool, psi: int | None = None) -> MemoryEs
         grad_bytes=bpp["grads"], master_bytes=bpp["master"], optim_bytes=bpp["optimizer"],
         offload=offload, largest_unit=s["largest_unit"])
     est.activations = s["activations"]
+    if "muon_matrix_fraction" in s:  # momentum on the owner only, m and v on the shards
+        psi = s["psi"] if psi is None else psi
+        mats = round(psi * s["muon_matrix_fraction"])
+        (est.host if offload else est.device)["optimizer"] = muon_state_bytes(
+            mats, psi - mats, s["world_size"], stage)
     return est
 
 
@@ -252,8 +272,10 @@ def _report(s: dict, rows: list[tuple[str, int, bool]], args: argparse.Namespace
     out["rows"] = []
     for label, stage, off in rows:
         est = _row(s, stage, off)
+        mats = round(s["psi"] * s.get("muon_matrix_fraction", 0.0))
         tr = traffic_per_step(s["psi"], s["world_size"], stage, param_bytes=bpp["params"],
-                              grad_bytes=bpp["grads"], offload=off)
+                              grad_bytes=bpp["grads"], offload=off, muon_matrix_numel=mats,
+                              update_bytes=bpp["master"] or bpp["params"])
         dev_fits, host_fits = _fits(s, est)
         r = {"label": label, "stage": stage, "offload": off, "device": est.device,
              "host": est.host, "gathered": est.gathered, "activations": est.activations,

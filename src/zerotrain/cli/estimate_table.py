@@ -81,6 +81,12 @@ def _notes(rep: dict, unit: tuple[str, int]) -> list[str]:
     if any(r["stage"] == 3 for r in rep["rows"]) and not rep["largest_unit"]:
         lines.append("ZeRO-3 'gathered' (the largest unit's full params) not counted: "
                      "pass --model or --largest-unit")
+    if rep.get("muon_matrix_fraction") is not None:
+        frac = rep["muon_matrix_fraction"]
+        lines.append(f"muon: {frac:.1%} of Ψ are matrices"
+                     f"{'' if frac < 1 else ' (pass --model for the real split)'}: momentum "
+                     "4 B on the owning rank (mean 1/N above stage 0), AdamW m+v 8 B on the "
+                     "rest; stages 1-3 add two all-to-alls (grads to owners, updates back)")
     lines.append("sent = bytes each rank sends in collectives per step (ring);"
                  " transient gradient buckets are not counted in memory")
     if rep.get("left_out"):

@@ -21,8 +21,9 @@ threads driving two NCCL communicators in per-rank orders can deadlock.
 Counting: for `ring` we record the bytes actually handed to isend/irecv (observed).
 For `native` the backend's internals are invisible, so we record the payload times the
 standard ring factor ((N-1)/N per reduce-scatter or all-gather pass) and label it
-computed. Only SUM is offered: strategies pre-divide gradients by the world size,
-which also works on backends without an AVG op (gloo).
+computed. Distributed Muon's uneven exchanges (`all_to_all`, `scatter`) are native only
+and count their exact payload to other ranks. Only SUM is offered: strategies pre-divide
+gradients by the world size, which also works on backends without an AVG op (gloo).
 """
 
 from __future__ import annotations
@@ -292,6 +293,49 @@ class Comm:
         moved = self._native_factor() * output.numel() * output.element_size()
         self.counter.add("all_gather", purpose, moved, moved, observed=False)
         return self._native(_all_gather(), "all_gather", output, input, async_op=async_op)
+
+    # ------------------------------------------------------------------ uneven exchanges
+    # Always native: their messages go point to point already (no ring to choose), so the
+    # bytes counted are exactly the payload each rank hands to every other rank.
+    def all_to_all(self, output: Tensor, input: Tensor, output_splits: list[int],
+                   input_splits: list[int], *, purpose: str = "muon",
+                   async_op: bool = False) -> Handle:
+        """Rank r sends `input`'s piece d (sizes `input_splits`) to rank d and receives
+        rank s's piece r into `output`'s piece s (sizes `output_splits`)."""
+        n = self.world_size
+        if len(input_splits) != n or len(output_splits) != n:
+            raise ValueError(f"all_to_all needs {n} input and output splits")
+        if sum(input_splits) != input.numel() or sum(output_splits) != output.numel():
+            raise ValueError("all_to_all splits must add up to the tensors' sizes")
+        if n == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle()
+        self._check("all_to_all", purpose, input.new_empty(0))  # sizes differ by rank
+        size = input.element_size()
+        sent = (sum(input_splits) - input_splits[self.rank]) * size
+        recv = (sum(output_splits) - output_splits[self.rank]) * size
+        self.counter.add("all_to_all", purpose, sent, recv, observed=False)
+        return self._native(dist.all_to_all_single, "all_to_all", output, input,
+                            output_splits, input_splits, async_op=async_op)
+
+    def scatter(self, output: Tensor, inputs: list[Tensor] | None, src: int, *,
+                purpose: str = "muon") -> Handle:
+        """Rank `src` sends `inputs[r]` (all `output`'s size) to every rank r."""
+        if self.rank == src and (inputs is None or len(inputs) != self.world_size):
+            raise ValueError(f"scatter: rank {src} must give {self.world_size} inputs")
+        if self.world_size == 1:
+            output.copy_(inputs[0])  # type: ignore[index]
+            return Handle()
+        self._check("scatter", purpose, output)
+        nbytes = output.numel() * output.element_size()
+        if self.rank == src:
+            self.counter.add("scatter", purpose, nbytes * (self.world_size - 1), 0,
+                             observed=False)
+        else:
+            self.counter.add("scatter", purpose, 0, nbytes, observed=False)
+        return self._native(dist.scatter, "scatter", output,
+                            inputs if self.rank == src else None, src=src, async_op=False)
 
     def all_reduce_scalars(self, values: list[float] | Tensor, op: str = "sum") -> Tensor:
         """Small control reductions (norms, overflow flags, losses, eval totals): fp64,

@@ -51,11 +51,6 @@ class Config(_Section):
         if s.warmup_start_lr > self.optimizer.lr:
             raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
                              f"optimizer.lr ({self.optimizer.lr})")
-        if self.optimizer.name == "muon" and self.zero.stage > 0:
-            raise ValueError(
-                "optimizer.name muon orthogonalises whole weight matrices, but zero.stage "
-                f"{self.zero.stage} gives each rank only a flat slice of them; use zero.stage 0"
-            )
         if self.precision.fp8.all_gather and self.zero.stage != 3:
             raise ValueError("precision.fp8.all_gather gathers ZeRO-3's sharded weights; it "
                              f"needs zero.stage 3 (got {self.zero.stage})")

@@ -42,6 +42,7 @@ from zerotrain.memory.states import (
     max_params,
     model_state_bytes,
     model_state_bytes_from_buffers,
+    muon_state_bytes,
     precision_bytes,
     shard_numel,
 )
@@ -49,6 +50,8 @@ from zerotrain.memory.traffic import (
     CollectiveCost,
     Traffic,
     collective_cost,
+    muon_mean_traffic,
+    muon_traffic,
     traffic_per_step,
 )
 
@@ -58,6 +61,7 @@ __all__ = [
     "PhasePeaks", "Traffic", "activation_bytes", "activation_dtype_bytes",
     "block_activation_bytes", "bucket_pool_numel", "bytes_per_param", "collective_cost", "estimate",
     "head_activation_bytes", "max_params", "measured_process_memory", "model_state_bytes",
-    "model_state_bytes_from_buffers", "phase_estimates", "precision_bytes", "proc_status",
+    "model_state_bytes_from_buffers", "muon_mean_traffic", "muon_state_bytes", "muon_traffic",
+    "phase_estimates", "precision_bytes", "proc_status",
     "reset_peak_rss", "shard_numel", "steady_peak", "traffic_per_step",
 ]

@@ -179,3 +179,14 @@ def max_params(fits: Callable[[int], bool], hi: int = 1 << 20) -> int | None:
     return lo
 
 
+# Distributed Muon (zero/muon.py, stages 1–3): each matrix is owned whole by one rank.
+def muon_state_bytes(matrix_numel: int, other_numel: int, world_size: int, stage: int,
+                     owned_numel: int | None = None) -> int:
+    """Per-rank Muon optimizer state: 4 B per element of the matrices this rank updates
+    (all of them at stage 0; above, those it owns — `owned_numel`, or the mean Ψ_mat/N
+    that ownership balanced by Newton–Schulz cost approaches) plus 8 B per element of the
+    other tensors (replicated at stage 0, 1/N above)."""
+    if stage == 0:
+        return 4 * matrix_numel + 8 * other_numel
+    owned = shard_numel(matrix_numel, world_size) if owned_numel is None else owned_numel
+    return 4 * owned + 8 * shard_numel(other_numel, world_size)

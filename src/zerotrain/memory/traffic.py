@@ -71,11 +71,14 @@ class Traffic:
 
 def traffic_per_step(psi: int | Sequence[int], world_size: int, stage: int, *,
                      param_bytes: int, grad_bytes: int, offload: bool = False,
-                     algorithm: str = "ring") -> Traffic:
+                     algorithm: str = "ring", muon_matrix_numel: int = 0,
+                     update_bytes: int = 4) -> Traffic:
     """SPEC §6 traffic column: DDP 2Ψ, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ (each ×(N−1)/N, in elements).
 
     ZeRO-1 does not all-reduce: reduce-scatter grads, then all-gather the updated params.
     Offload keeps the collectives of its stage and adds a grad shard down, param shard up.
+    `muon_matrix_numel`: elements of the matrices distributed Muon owns whole (stages
+    1–3 add its two all-to-alls, `muon_mean_traffic`; stage 0 replicates Muon: nothing).
     """
     if offload and stage < 2:
         raise ValueError("offload needs stage 2 or 3")
@@ -88,6 +91,9 @@ def traffic_per_step(psi: int | Sequence[int], world_size: int, stage: int, *,
         gathers = ["params (fwd)", "params (bwd)"] if stage == 3 else ["params"]
         colls = [collective_cost("reduce_scatter", sizes, n, grad_bytes, what="grads")]
         colls += [collective_cost("all_gather", sizes, n, param_bytes, what=w) for w in gathers]
+        if muon_matrix_numel:
+            colls += muon_mean_traffic(muon_matrix_numel, n, grad_bytes=grad_bytes,
+                                       update_bytes=update_bytes)
     t = Traffic(colls)
     if offload:
         shard = sum(shard_numel(p, n) for p in sizes)
@@ -96,3 +102,30 @@ def traffic_per_step(psi: int | Sequence[int], world_size: int, stage: int, *,
     return t
 
 
+# ----------------------------------------------------------------------------- Muon
+# Distributed Muon (zero/muon.py, stages 1–3): each matrix is owned whole by one rank.
+# Per step, two all-to-alls: the reduced gradient pieces to the
+# owners, the orthogonalised update O back to the ranks holding the master slices.
+
+def muon_traffic(pieces: Sequence[tuple[int, Sequence[int]]], rank: int, *, grad_bytes: int,
+                 update_bytes: int = 4) -> list[CollectiveCost]:
+    """What `rank` sends in distributed Muon's two all-to-alls, exactly, from the ownership
+    table: per matrix (owner, its elements on each rank's shard). Gradients: every piece
+    this rank holds of a matrix another rank owns. Updates: every piece of this rank's
+    own matrices that another rank holds."""
+    grads = sum(sizes[rank] for owner, sizes in pieces if owner != rank)
+    updates = sum(sum(sizes) - sizes[rank] for owner, sizes in pieces if owner == rank)
+    rounds = len(pieces[0][1]) - 1 if pieces else 0
+    return [CollectiveCost("all_to_all", "muon grads", grads, grads * grad_bytes, rounds),
+            CollectiveCost("all_to_all", "muon updates", updates, updates * update_bytes,
+                           rounds)]
+
+
+def muon_mean_traffic(matrix_numel: int, world_size: int, *, grad_bytes: int,
+                      update_bytes: int = 4) -> list[CollectiveCost]:
+    """`muon_traffic` averaged over ranks: a matrix's owner holds 1/N of it on average,
+    so (N−1)/N of it travels each way, spread over N senders: (N−1)/N²·Ψ_mat per rank."""
+    n = world_size
+    each = matrix_numel * (n - 1) // (n * n)
+    return [CollectiveCost("all_to_all", "muon grads", each, each * grad_bytes, n - 1),
+            CollectiveCost("all_to_all", "muon updates", each, each * update_bytes, n - 1)]

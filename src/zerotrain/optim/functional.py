@@ -380,12 +380,40 @@ def muon_(
     there; that is the paper's b ← μ·b + g times (1−μ), and NS normalises scale away.
     """
     for p, g, buf in zip(*_lists(param, grad, momentum_buffer)):
-        if p.ndim < 2:
-            raise ValueError(f"Muon orthogonalises matrices; got a {p.ndim}-D tensor "
-                             "(give 1-D tensors to the AdamW fallback)")
-        buf.lerp_(g, 1 - momentum)
-        u = g.lerp(buf, momentum) if nesterov else buf
-        o = newton_schulz(u, ns_steps, ns_coefficients, eps)
-        if weight_decay:
-            p.mul_(1 - lr * weight_decay)
-        p.add_(o, alpha=-muon_lr(lr, p.shape, adjust_lr_fn))
+        o = muon_direction(g, buf, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                           ns_coefficients=ns_coefficients, eps=eps)
+        muon_apply_(p, o, p.shape, lr=lr, weight_decay=weight_decay,
+                    adjust_lr_fn=adjust_lr_fn)
+
+
+# Muon's two halves. Distributed Muon (zero/muon.py) runs them on different ranks: the
+# direction where the whole matrix is, the elementwise apply where its master slices are.
+
+
+def muon_direction(
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
+    eps: float = 1e-7,
+) -> Tensor:
+    """One matrix's momentum step (the buffer in place) and its orthogonalised update O."""
+    if grad.ndim < 2:
+        raise ValueError(f"Muon orthogonalises matrices; got a {grad.ndim}-D tensor "
+                         "(give 1-D tensors to the AdamW fallback)")
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    u = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    return newton_schulz(u, ns_steps, ns_coefficients, eps)
+
+
+def muon_apply_(param: Tensor, direction: Tensor, shape: Sequence[int], *, lr: float,
+                weight_decay: float = 0.0,
+                adjust_lr_fn: str | None = "match_rms_adamw") -> None:
+    """θ ← θ(1 − η·λ) − η'·O, elementwise: `param` and `direction` may be the whole
+    matrix or any matching slice of it; `shape` is the whole matrix's, which sets η'."""
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
+    param.add_(direction, alpha=-muon_lr(lr, shape, adjust_lr_fn))

@@ -330,6 +330,11 @@ class Muon(_Base):
     ("match_rms_adamw") scales Muon's update to AdamW's RMS so that works (see
     functional.muon_lr). Muon state is torch.optim.Muon's `momentum_buffer`; the AdamW
     tensors keep `step`, `exp_avg`, `exp_avg_sq`.
+
+    A group with `defer_update=True` holds stand-ins for matrices whose weights live
+    elsewhere (ZeRO shards; see zero/muon.py): the step updates their momentum and leaves
+    the orthogonalised update O in each stand-in, for the caller to apply with
+    `functional.muon_apply_` where the weights are.
     """
 
     elementwise = False
@@ -340,7 +345,7 @@ class Muon(_Base):
                  eps: float = 1e-7, ns_steps: int = 5,
                  adjust_lr_fn: str | None = "match_rms_adamw",
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
-                 use_muon: bool | None = None) -> None:
+                 use_muon: bool | None = None, defer_update: bool = False) -> None:
         _check(lr >= 0, f"lr must be >= 0, got {lr}")
         _check(0 <= momentum < 1, f"momentum must be in [0, 1), got {momentum}")
         _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
@@ -352,7 +357,7 @@ class Muon(_Base):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-            use_muon=use_muon))
+            use_muon=use_muon, defer_update=defer_update))
 
     @classmethod
     def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
@@ -367,11 +372,16 @@ class Muon(_Base):
         if mats:
             for p in mats:
                 self._state(p, lambda p: {"momentum_buffer": _zeros(p)})
-            F.muon_(mats, _grads(mats), _get(mats, self.state, "momentum_buffer"),
-                    lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
-                    weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
-                    ns_coefficients=group["ns_coefficients"], eps=group["eps"],
-                    adjust_lr_fn=group["adjust_lr_fn"])
+            ns = dict(momentum=group["momentum"], nesterov=group["nesterov"],
+                      ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
+                      eps=group["eps"])
+            if group["defer_update"]:
+                for p in mats:
+                    p.copy_(F.muon_direction(p.grad, self.state[p]["momentum_buffer"], **ns))
+            else:
+                F.muon_(mats, _grads(mats), _get(mats, self.state, "momentum_buffer"),
+                        lr=group["lr"], weight_decay=group["weight_decay"],
+                        adjust_lr_fn=group["adjust_lr_fn"], **ns)
         if rest:
             for p in rest:
                 self._state(p, _adam_state)

@@ -5,8 +5,11 @@ units, decides what each rank keeps, and talks to the other ranks through `Comm`
 engine only calls:
 
     pre_backward(boundary) -> [autograd runs; our hooks fire] -> finish_backward()
-    grad_norm_sq() -> scale_grads(f) -> attach_grads() -> optimizer.step()
-    -> detach_grads() -> after_step() -> zero_grad()
+    grad_norm_sq() -> scale_grads(f) -> optimizer_step(optimizer) -> after_step()
+    -> zero_grad()
+
+(`optimizer_step` is attach_grads → optimizer.step → detach_grads, plus distributed
+Muon's matrix exchange when the stage shards a non-elementwise optimizer: zero/muon.py.)
 
 Each stage file is a small subclass answering three questions — how parameters are cut
 into units (`make_units`), what to send when a unit's gradients are complete
@@ -30,6 +33,7 @@ from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import foreach
 from zerotrain.zero.flat import NamedParams, Segment, bucket_params
 from zerotrain.zero.grads import FullGrads
+from zerotrain.zero.muon import MuonOwners
 from zerotrain.zero.state import StrategyState
 from zerotrain.zero.unit import Unit
 
@@ -72,6 +76,10 @@ class Strategy(StrategyState):
         for u in self.units:
             self.init_unit(u)
         self.opt_segments: list[tuple[Segment, Tensor]] = self._optimizer_views()
+        # Muon above stage 0: every matrix is updated whole by one owner (zero/muon.py)
+        self.muon = MuonOwners(self) if keep_shapes and self.shards_optimizer else None
+        if self.muon is not None:
+            self.opt_segments = self.muon.optimizer_views(self.opt_segments)
         self._pending: list[tuple[Handle, Callable[[], None] | None]] = []
         self._communicate = True
         self._callback_queued = False
@@ -171,7 +179,8 @@ class Strategy(StrategyState):
         groups: dict[int, list[Tensor]] = {}
         for seg, view in self.opt_segments:
             groups.setdefault(seg.group, []).append(view)
-        return [{"params": ps, **options[g], "group_id": g} for g, ps in sorted(groups.items())]
+        out = [{"params": ps, **options[g], "group_id": g} for g, ps in sorted(groups.items())]
+        return self.muon.param_groups(out, options) if self.muon is not None else out
 
     # ================================================================ gradient hooks
     def _hook(self, u: Unit, i: int) -> Callable[[Tensor], None]:
@@ -256,10 +265,11 @@ class Strategy(StrategyState):
     def scale_grads(self, factor: float) -> None:
         foreach.scale_([self.owned_grad(u) for u in self.units], factor)
 
-    def attach_grads(self) -> None:
-        """Point each optimizer tensor's .grad at its slice of the owned gradient."""
+    def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
+        """Point each optimizer tensor's .grad (of `segments`, default all) at its slice of
+        the owned gradient."""
         grads = {}
-        for seg, view in self.opt_segments:
+        for seg, view in self.opt_segments if segments is None else segments:
             u = self.units[seg.unit]
             if u.index not in grads:
                 g = self.owned_grad(u)
@@ -270,6 +280,15 @@ class Strategy(StrategyState):
     def detach_grads(self) -> None:
         for _, view in self.opt_segments:
             view.grad = None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Update the master weights from the owned (unscaled, clipped) gradients."""
+        if self.muon is not None:
+            self.muon.step(optimizer)
+            return
+        self.attach_grads()
+        optimizer.step()
+        self.detach_grads()
 
     def after_step(self) -> None:
         for u in self.units:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from zerotrain.zero.flat import Segment
 from zerotrain.zero.grads import ShardedGrads
 from zerotrain.zero.unit import Unit
 from zerotrain.zero.zero2 import ZeRO2
@@ -132,11 +133,11 @@ class OffloadMixin:
         self.grads.registered.append(t)
         return t
 
-    def attach_grads(self) -> None:
+    def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
         if self._published is not None:  # the last publish must have read the masters
             self._published.synchronize()
             self._published = None
-        super().attach_grads()
+        super().attach_grads(segments)
 
     def close(self) -> None:
         self.grads.close()
