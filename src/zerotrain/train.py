@@ -283,17 +283,20 @@ def _start_lines(run: Run) -> None:
 def _phase_line(run: Run) -> None:
     """Peak memory per phase against the model's prediction (rank 0's numbers)."""
     eng, c = run.engine, run.cfg
-    acts = 0
-    if c.model.arch == "gpt" and c.model.hf is None:
+    acts, modelled = 0, c.model.arch == "gpt" and c.model.hf is None
+    if modelled:
         acts = activation_bytes(c.model, c.data.micro_batch_size, c.model.block_size,
                                 act_bytes=activation_dtype_bytes(c.precision.dtype))
     ph = eng.memory_phases(acts)
-    run.report.record({"type": "memory_phases", "step": eng.global_step, **ph})
+    run.report.record({"type": "memory_phases", "step": eng.global_step,
+                       "activations_modelled": modelled, **ph})
     mib = 2**20
-    run.report.say("[zerotrain] peak memory per phase above start, MiB (measured / "
-                   "predicted): " + ", ".join(
-                       f"{k} {v / mib:.1f} / {ph['predicted'][k] / mib:.1f}"
-                       for k, v in ph["measured"].items()))
+    # the activation formula is the reference GPT's: other families' predictions leave
+    # activations out, and the line says so rather than print a confident wrong number
+    what = "predicted" if modelled else "predicted without activations"
+    run.report.say(f"[zerotrain] peak memory per phase above start, MiB (measured / {what}): "
+                   + ", ".join(f"{k} {v / mib:.1f} / {ph['predicted'][k] / mib:.1f}"
+                               for k, v in ph["measured"].items()))
 
 
 def _log_step(run: Run, sinfo: StepInfo, loss: torch.Tensor, dt: float) -> float:
