@@ -79,12 +79,13 @@ def test_offload_fp32_keeps_a_separate_master_and_high_water_is_monotone():
 # ----------------------------------------------------------------------------- pool
 
 
+@pytest.mark.parametrize("in_flight", [0, 1, 2])
 @pytest.mark.parametrize("sizes", [[8] * 6, [10, 6, 10, 6, 10, 6], [3, 5, 5, 5, 5, 3, 9],
                                    [7]])
-def test_bucket_pool_replay_matches_the_real_pool(sizes):
+def test_bucket_pool_replay_matches_the_real_pool(sizes, in_flight):
     """Drive `ShardedGrads` through one backward exactly as the strategy does (take a
     bucket, enqueue, retire the oldest past `in_flight`) and count what it allocated."""
-    world, in_flight = 2, 2
+    world = 2
     grads = ShardedGrads(torch.float32, torch.device("cpu"), pool_size=in_flight)
     made: set[int] = set()
     pending: list[Unit] = []
@@ -101,6 +102,37 @@ def test_bucket_pool_replay_matches_the_real_pool(sizes):
     pooled = sum(b.numel() for free in grads.pool.values() for b in free)
     assert len(made) == sum(len(f) for f in grads.pool.values())  # nothing dropped
     assert bucket_pool_numel(sizes, world, in_flight) == pooled
+
+
+def _train_stage3(in_flight: int) -> tuple[dict, int]:
+    from zerotrain.engine import Engine
+    from zerotrain.models import build_model
+
+    cfg = build_config({"model": {"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 16},
+                        "zero": {"stage": 3, "reductions_in_flight": in_flight},
+                        "train": {"device": "cpu"}})
+    torch.manual_seed(0)
+    eng = Engine(build_model(cfg.model, device="meta"), cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 256, (2, 17), generator=g)
+        eng.backward(eng(x[:, :-1], x[:, 1:]))
+        eng.step()
+    with eng.full_parameters():
+        params = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    pooled = sum(len(f) for f in eng.strategy.grads.pool.values())
+    eng.close()
+    return params, pooled
+
+
+def test_fewer_reductions_in_flight_pool_fewer_buckets_and_train_the_same():
+    """`zero.reductions_in_flight` trades overlap for memory: each one fewer keeps one
+    bucket fewer (4 blocks + the root: 5 buckets a backward), and the result is the same
+    bit for bit (the reductions are the same, only waited for sooner)."""
+    runs = {k: _train_stage3(k) for k in (0, 1, 2)}
+    assert [runs[k][1] for k in (0, 1, 2)] == [1 + 1, 2 + 1, 3 + 1]  # + the root's size
+    for k in (0, 1):
+        assert all(torch.equal(runs[k][0][n], runs[2][0][n]) for n in runs[2][0])
 
 
 # ----------------------------------------------------------------------------- CLI

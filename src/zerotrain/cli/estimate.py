@@ -315,7 +315,6 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
     from zerotrain.models.plan import unit_members
     from zerotrain.numerics.precision import PrecisionPolicy
     from zerotrain.optim import resolve_compile
-    from zerotrain.zero.base import Strategy
     from zerotrain.zero.flat import bucket_params
 
     model = build_model(cfg.model, device="meta")
@@ -342,7 +341,7 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
     phases = phase_estimates(
         numels, world, stage, bpp, offload=offload,
         largest_unit=max(numels) if stage == 3 else 0, activations=act,
-        reduce_bytes=pol.reduce_dtype.itemsize, in_flight=Strategy.max_in_flight,
+        reduce_bytes=pol.reduce_dtype.itemsize, in_flight=cfg.zero.reductions_in_flight,
         prefetch=cfg.zero.prefetch, high_water=cpu,
         largest_param=max(p.numel() for _, p, _ in named),
         runtime=COMPILE_RUNTIME_BYTES if compiled else 0,

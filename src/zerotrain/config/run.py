@@ -22,6 +22,10 @@ class ZeroConfig(_Section):
         0, ge=0, description="ZeRO-3: units with fewer elements stay gathered between uses"
     )
     prefetch: bool = Field(True, description="ZeRO-3: gather the next unit while this one runs")
+    reductions_in_flight: int = Field(
+        2, ge=0, le=8, description="gradient reductions that may run while backward goes on; "
+        "each holds a full-size bucket (stages 2-3), so every one fewer lowers the peak by a "
+        "unit's gradient and overlaps less (0: each bucket is reduced before backward goes on)")
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> ZeroConfig:
