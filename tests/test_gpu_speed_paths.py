@@ -193,10 +193,10 @@ def _compile_fails_on_rank_one() -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
-    b = cfg.data.micro_batch_size
-    for X, Y in batches(3):
-        eng.backward(eng(*local_batch(X, Y, rank, 2, b)))
-        eng.step()
+        b = cfg.data.micro_batch_size
+        for X, Y in batches(3):  # the compiled update is tried, and voted on, at step 1
+            eng.backward(eng(*local_batch(X, Y, rank, 2, b)))
+            eng.step()
     out = {"compiled": [g["compiled"] for g in eng.optimizer.param_groups],
            "warnings": [str(w.message) for w in caught],
            "params": {n: p.detach().clone() for n, p in eng.module.named_parameters()}}

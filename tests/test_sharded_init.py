@@ -73,16 +73,15 @@ BIG = {"n_layer": 4, "n_head": 8, "n_embd": 1024, "block_size": 64}
 #: The init bound's fixed overhead: what a unit's materialisation allocates besides its
 #: buffers — Python objects, the parameter views, allocator rounding. Measured: 0.6–0.9
 #: MiB on 8 ranks (initial values are drawn in place, models/init.py); 16 MiB of room.
-#: The compiled optimizer is left out: its compile check at init loads torch's compiler,
-#: ~50 MiB of code whatever the model's size (a fixed cost, not the model's memory).
+#: The optimizer here resolves to compiled (`auto`, 25M parameters per rank): its compile
+#: check waits for the first step, so init does not load torch's compiler (~50 MiB).
 OVERHEAD = 16 * 2**20
 
 
 def _init_peak() -> dict:
     from zerotrain.engine import Engine
 
-    cfg = build_config({"model": BIG, "zero": {"stage": 3}, "train": {"device": "cpu"},
-                        "optimizer": {"compile": False}})
+    cfg = build_config({"model": BIG, "zero": {"stage": 3}, "train": {"device": "cpu"}})
     torch.manual_seed(0)
     eng = Engine(build_model(cfg.model, device="meta"), cfg, torch.device("cpu"))
     # fp32: the master is the parameter shard; the gradient shard is never zeroed, so its

@@ -79,6 +79,12 @@ def resolve_compile(setting: bool | str, param_groups: list[dict[str, Any]]) -> 
     return numel >= COMPILE_AUTO_MIN_PARAMS
 
 
+def _set_compiled(opt: torch.optim.Optimizer, compiled: bool) -> None:
+    opt.defaults["compiled"] = compiled
+    for g in opt.param_groups:
+        g["compiled"] = compiled
+
+
 def _compile_agreed(opt: Any, wanted: bool, agree: Callable[[bool], bool]) -> bool:
     """Whether to compile, decided by all ranks together (see build_optimizer)."""
     failure = opt.compile_probe() if wanted else None
@@ -87,7 +93,7 @@ def _compile_agreed(opt: Any, wanted: bool, agree: Callable[[bool], bool]) -> bo
     where = f"here: {failure}" if failure else "on another rank"
     warnings.warn(f"torch.compile of the optimizer step failed {where}; every rank runs the "
                   "eager update instead, so that replicas stay identical", RuntimeWarning,
-                  stacklevel=3)
+                  stacklevel=4)
     return False
 
 
@@ -101,8 +107,10 @@ def build_optimizer(
     cfg values are the defaults for whatever a group leaves out.
 
     `agree(failed) -> any rank failed` (the engine passes a MAX all-reduce when there
-    are several ranks): the compiled update is then tried at once, before any real
-    step, and the ranks fall back to eager together if it fails on any one of them.
+    are several ranks): the compiled update is then tried at the first `step()` (which
+    every rank takes together), before any real update, and the ranks fall back to eager
+    together if it fails on any one of them. At the first step, not here: loading the
+    compiler costs ~50 MiB that init would otherwise hold before the model does.
     """
     name, lr, wd = cfg.name, cfg.lr, cfg.weight_decay
     _class(name)  # a clear error for an unknown name
@@ -111,11 +119,10 @@ def build_optimizer(
                            weight_decay=wd, compiled=False)
         # decided on the groups as torch.optim normalised them (any iterable of params)
         compiled = resolve_compile(cfg.compile, opt.param_groups)
+        _set_compiled(opt, compiled)
         if agree is not None and cfg.compile is not False:  # every rank takes part
-            compiled = _compile_agreed(opt, compiled, agree)
-        opt.defaults["compiled"] = compiled
-        for g in opt.param_groups:
-            g["compiled"] = compiled
+            opt.before_first_step = lambda: _set_compiled(
+                opt, _compile_agreed(opt, compiled, agree))
         return opt
     if name == "sgd":
         return SGD(param_groups, lr=lr, momentum=cfg.momentum, dampening=cfg.dampening,

@@ -63,6 +63,9 @@ class _Base(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        hook, self.before_first_step = getattr(self, "before_first_step", None), None
+        if hook is not None:  # a decision all ranks take together at their first step
+            hook()
         for group in self.param_groups:
             for flag in self._REFUSED:
                 if group.get(flag):
