@@ -135,6 +135,16 @@ def test_fewer_reductions_in_flight_pool_fewer_buckets_and_train_the_same():
         assert all(torch.equal(runs[k][0][n], runs[2][0][n]) for n in runs[2][0])
 
 
+def test_reductions_in_flight_auto_depends_on_the_device_and_refuses_nonsense():
+    z = build_config({}).zero
+    assert z.reductions_in_flight == "auto"
+    assert (z.in_flight("cuda"), z.in_flight("cpu")) == (2, 0)
+    assert build_config({"zero": {"reductions_in_flight": "3"}}).zero.in_flight("cuda") == 3
+    for bad in (True, -1, 9, "lots", 1.5):
+        with pytest.raises(ValueError, match="reductions_in_flight"):
+            build_config({"zero": {"reductions_in_flight": bad}})
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

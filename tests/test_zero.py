@@ -19,21 +19,25 @@ from zero_harness import rel_err, run_many, train_tiny
 STEPS = 20
 RING = {"comm": {"algorithm": "ring"}}
 ACCUM = {"data": {"grad_accum_steps": 2}}
+#: reductions in flight during backward: CUDA's default (2) and 1; the CPU default is 0
+FLIGHT2, FLIGHT1 = {"reductions_in_flight": 2}, {"reductions_in_flight": 1}
 CASES = [  # every stage with both collective algorithms; accumulation, overlap, prefetch
     {"zero": {"stage": 0}, **ACCUM},
     {"zero": {"stage": 0}, **RING},
     {"zero": {"stage": 1}},
     {"zero": {"stage": 1}, **RING, **ACCUM},
+    {"zero": {"stage": 2, **FLIGHT2}, **ACCUM},
     {"zero": {"stage": 2}, **ACCUM},
     {"zero": {"stage": 2, "overlap": False}, **RING},
+    {"zero": {"stage": 3, **FLIGHT2}},
     {"zero": {"stage": 3}},
     {"zero": {"stage": 3, "prefetch": False, "overlap": False}, **RING},
     {"zero": {"stage": 2, "offload_optimizer": "cpu"}},
-    {"zero": {"stage": 3, "offload_optimizer": "cpu"}, **ACCUM},
+    {"zero": {"stage": 3, "offload_optimizer": "cpu", **FLIGHT1}, **ACCUM},
     # built on the meta device: initialised unit by unit, equal to the eager model
     {"meta": True, "zero": {"stage": 0}, **ACCUM},
     {"meta": True, "zero": {"stage": 2}, **ACCUM},
-    {"meta": True, "zero": {"stage": 3, "offload_optimizer": "cpu"}, **ACCUM},
+    {"meta": True, "zero": {"stage": 3, "offload_optimizer": "cpu", **FLIGHT1}, **ACCUM},
 ]
 FP32_TOL = 1e-5
 
@@ -63,6 +67,7 @@ def case_id(case: dict) -> str:
     parts += [f"acc{_accum(case)}"] if _accum(case) > 1 else []
     parts += ["sync"] if z.get("overlap") is False else []
     parts += ["noprefetch"] if z.get("prefetch") is False else []
+    parts += [f"flight{z['reductions_in_flight']}"] if "reductions_in_flight" in z else []
     parts += ["meta"] if case.get("meta") else []
     return "-".join(parts)
 

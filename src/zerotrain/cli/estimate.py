@@ -341,7 +341,7 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
     phases = phase_estimates(
         numels, world, stage, bpp, offload=offload,
         largest_unit=max(numels) if stage == 3 else 0, activations=act,
-        reduce_bytes=pol.reduce_dtype.itemsize, in_flight=cfg.zero.reductions_in_flight,
+        reduce_bytes=pol.reduce_dtype.itemsize, in_flight=cfg.zero.in_flight(device),
         prefetch=cfg.zero.prefetch, high_water=cpu,
         largest_param=max(p.numel() for _, p, _ in named),
         runtime=COMPILE_RUNTIME_BYTES if compiled else 0,

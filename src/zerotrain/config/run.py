@@ -22,10 +22,33 @@ class ZeroConfig(_Section):
         0, ge=0, description="ZeRO-3: units with fewer elements stay gathered between uses"
     )
     prefetch: bool = Field(True, description="ZeRO-3: gather the next unit while this one runs")
-    reductions_in_flight: int = Field(
-        2, ge=0, le=8, description="gradient reductions that may run while backward goes on; "
-        "each holds a full-size bucket (stages 2-3), so every one fewer lowers the peak by a "
-        "unit's gradient and overlaps less (0: each bucket is reduced before backward goes on)")
+    reductions_in_flight: int | Literal["auto"] = Field(
+        "auto", description="gradient reductions that may run while backward goes on; each "
+        "holds a full-size bucket (stages 2-3), so every one fewer lowers the peak by a "
+        "unit's gradient and overlaps less (0: each bucket is reduced before backward goes "
+        "on). auto: 2 on CUDA (NCCL runs beside the compute), 0 on CPU (gloo shares the "
+        "cores backward computes on, so overlap buys little there and costs memory)")
+
+    @field_validator("reductions_in_flight", mode="before")
+    @classmethod
+    def _in_flight(cls, v: Any) -> int | str:
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        if isinstance(v, bool) or not isinstance(v, int | str):
+            raise ValueError(f"zero.reductions_in_flight must be auto or 0-8, got {v!r}")
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"zero.reductions_in_flight must be auto or 0-8, got {v!r}") from None
+        if not 0 <= n <= 8:
+            raise ValueError(f"zero.reductions_in_flight must be auto or 0-8, got {n}")
+        return n
+
+    def in_flight(self, device_type: str) -> int:
+        """`reductions_in_flight` resolved for a device ("cuda", "cpu", ...)."""
+        if self.reductions_in_flight == "auto":
+            return 2 if device_type == "cuda" else 0
+        return int(self.reductions_in_flight)
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> ZeroConfig:

@@ -54,7 +54,7 @@ class Strategy(StrategyState):
         (Muon needs matrices) instead of one flat run per (unit, group). `skip_init`:
         meta parameters are left at zero (pretrained weights are loaded next)."""
         self.model, self.plan, self.policy, self.comm, self.cfg = model, plan, policy, comm, cfg
-        self.max_in_flight = cfg.reductions_in_flight  # reductions running during backward
+        self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
         self.keep_shapes, self.skip_init = keep_shapes, skip_init
         self.fp8_gather = fp8_gather  # ZeRO-3: gather the plan's FP8 weights in FP8
         self.device = device
