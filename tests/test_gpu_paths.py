@@ -202,3 +202,54 @@ def test_no_comm_thread_on_nccl():
     for res in run_ranks(_ring_thread_by_backend, 2):
         assert res["gloo"] == {"thread": True, "ran_on": ["zerotrain-comm"], "ok": True}
         assert res["nccl"] == {"thread": False, "ran_on": ["MainThread"], "ok": True}
+
+
+# ------------------------------------------- S7: gradients on a process group of their own
+
+
+def _groups_used(eng) -> list[tuple[str, str]]:
+    """Probe: record, for every native collective, which group it went to."""
+    comm, seen = eng.comm, []
+    native = comm._native
+
+    def spy(fn, name, *args, group=None, **kw):
+        g = comm.group if group is None else group
+        seen.append((name, "grads" if g is comm._grad_group and comm.separate_grads
+                     else "main" if g is comm.group else "other"))
+        return native(fn, name, *args, group=group, **kw)
+
+    comm._native = spy
+    if comm._ring_group is not None:  # the ring's gradient passes get a ring group too
+        seen.append(("ring groups", "separate" if comm._grad_ring_group is not
+                     comm._ring_group else "same"))
+    return seen
+
+
+def _with_and_without_grad_group(cases: list[dict]) -> list[tuple[dict, dict]]:
+    from zero_harness import run_many
+
+    on = [{**c, "comm": {**c.get("comm", {}), "grad_group": True}} for c in cases]
+    return list(zip(run_many(cases, 3), run_many(on, 3, probe=_groups_used)))
+
+
+def test_gradient_reductions_get_their_own_group_and_change_nothing():
+    """S7: with comm.grad_group (auto: on NCCL, where a group is one CUDA stream) the
+    gradient reduce-scatters/all-reduces go to a second group, parameter all-gathers and
+    control reductions stay on the first, and training is bit-identical."""
+    assert build_config({}).comm.grad_group == "auto"
+    cases = [{"zero": {"stage": 3}, "comm": {"algorithm": "native"}},
+             {"zero": {"stage": 0}, "comm": {"algorithm": "native"}},
+             {"zero": {"stage": 2}, "comm": {"algorithm": "ring"}}]
+    for rank_result in run_ranks(_with_and_without_grad_group, 2, cases):
+        for case, (plain, split) in zip(cases, rank_result):
+            assert plain["losses"] == split["losses"], case
+            assert all(torch.equal(plain["params"][k], split["params"][k])
+                       for k in plain["params"]), case
+            used = split["probe"]
+            grads = {g for name, g in used if name in ("reduce_scatter", "all_reduce")}
+            others = {g for name, g in used if name in ("all_gather", "all_reduce_scalars")}
+            if case["comm"]["algorithm"] == "native":
+                assert grads == {"grads"}, (case, used)
+            else:
+                assert ("ring groups", "separate") in used, (case, used)
+            assert others <= {"main"}, (case, used)

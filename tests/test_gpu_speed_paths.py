@@ -212,3 +212,44 @@ def test_a_compile_failure_on_one_rank_falls_back_on_all():
     assert any("failed here" in w and "inductor exploded" in w for w in r1["warnings"])
     for name, p in r0["params"].items():
         assert torch.equal(p, r1["params"][name]), name
+
+
+# ------------------------------------------------------- Offload: publish per unit (S2)
+
+
+def _by_unit(eng) -> dict:
+    """Probe: switch the strategy to Offload-on-GPU's unit-by-unit step, and count the
+    optimizer steps and publishes each training step makes, in order."""
+    s = eng.strategy
+    s.step_by_unit = True
+    calls: list[str] = []
+    step, publish = eng.optimizer.step, s.publish
+    eng.optimizer.step = lambda *a, **k: (calls.append("step"), step(*a, **k))[1]
+    s.publish = lambda u: (calls.append(f"publish {u.index}"), publish(u))[1]
+    return {"calls": calls, "units": len(s.units)}
+
+
+def _compare_by_unit(cases: list[dict]) -> list[tuple[dict, dict]]:
+    from zero_harness import run_many
+
+    return list(zip(run_many(cases, 4), run_many(cases, 4, probe=_by_unit)))
+
+
+def test_unit_by_unit_step_and_publish_is_the_same_update():
+    """Offload on a GPU steps the optimizer one unit at a time and publishes each unit at
+    once, so its host-to-device copy overlaps the CPU update of the next: the same
+    elementwise update in pieces — bit-identical to the whole-model step, on 2 ranks."""
+    cases = [{"zero": {"stage": 2, "offload_optimizer": "cpu"}},
+             {"zero": {"stage": 3, "offload_optimizer": "cpu"},
+              "data": {"grad_accum_steps": 2}},
+             {"zero": {"stage": 1}}]
+    for rank_result in run_ranks(_compare_by_unit, 2, cases):
+        for case, (whole, pieces) in zip(cases, rank_result):
+            assert whole["losses"] == pieces["losses"], case
+            assert all(torch.equal(whole["params"][k], pieces["params"][k])
+                       for k in whole["params"]), case
+            calls, n = pieces["probe"]["calls"], pieces["probe"]["units"]
+            # per step: each unit is updated, then published, before the next is updated
+            first = calls[: 2 * n]
+            assert first == [x for i in range(n) for x in ("step", f"publish {i}")], case
+            assert len(calls) == 4 * 2 * n, case  # no second publish after the step

@@ -99,7 +99,7 @@ class Engine(DeepSpeedAPI):
         self.comm = Comm(config.comm.algorithm,
                          ring_min_bytes=int(config.comm.ring_min_mb * 2**20),
                          check_lockstep=config.comm.check_lockstep,
-                         timeout_s=config.comm.timeout_s)
+                         timeout_s=config.comm.timeout_s, grad_group=config.comm.grad_group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self.plan = plan or plan_for(model)

@@ -156,7 +156,8 @@ class Comm:
 
     def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None,
                  ring_min_bytes: int = RING_MIN_BYTES, *, device: torch.device | None = None,
-                 check_lockstep: bool = False, timeout_s: float | None = None):
+                 check_lockstep: bool = False, timeout_s: float | None = None,
+                 grad_group: bool | str = "auto"):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
@@ -176,11 +177,22 @@ class Comm:
         gloo = self.backend == "gloo"
         self._ring_ok = (self.active and self.world_size > 1
                          and (algorithm == "ring" or (algorithm == "auto" and gloo)))
+        ranks = (dist.get_process_group_ranks(group) if group else list(range(self.world_size))
+                 ) if self.active else [0]
         if self._ring_ok:
-            ranks = dist.get_process_group_ranks(group) if group else list(range(self.world_size))
             self._ring_group = dist.new_group(ranks)
             if gloo:  # see the module docstring: never a comm thread on NCCL
                 self._thread = _CommThread()
+        # Gradient reductions on a group of their own (`grad_group`; auto: on NCCL, where
+        # each group is one CUDA stream, so ZeRO-3's reduce-scatters do not queue behind
+        # the prefetch all-gathers). Every rank builds the same groups in the same order.
+        self._grad_group, self._grad_ring_group = group, self._ring_group
+        separate = self.backend == "nccl" if grad_group == "auto" else bool(grad_group)
+        self.separate_grads = separate and self.active and self.world_size > 1
+        if self.separate_grads:
+            self._grad_group = dist.new_group(ranks)
+            if self._ring_ok:
+                self._grad_ring_group = dist.new_group(ranks)
 
     # ------------------------------------------------------------------ helpers
     def _ring(self, fn: Callable[[], tuple[int, int]], op: str, purpose: str,
@@ -216,9 +228,11 @@ class Comm:
             raise better from e
 
     def _native(self, fn: Callable[..., object], name: str, *args: object,
-                async_op: bool, **kw: object) -> Handle:
-        """Issue a torch collective; a synchronous one is an async one waited for."""
-        work = self._guarded(lambda: fn(*args, group=self.group, async_op=True, **kw), name)
+                async_op: bool, group: dist.ProcessGroup | None = None, **kw: object) -> Handle:
+        """Issue a torch collective (on `group`, default the Comm's); a synchronous one is
+        an async one waited for."""
+        g = self.group if group is None else group
+        work = self._guarded(lambda: fn(*args, group=g, async_op=True, **kw), name)
         h = Handle(work, explain=self._explain(name))
         if not async_op:
             h.wait()
@@ -240,14 +254,17 @@ class Comm:
             return Handle()
         self._check("all_reduce", purpose, tensor)
         nbytes = tensor.numel() * tensor.element_size()
+        grads = purpose == "grads"
         if purpose != "control" and self._use_ring(nbytes, "all_reduce"):
             from zerotrain.comm.ring import ring_all_reduce
 
-            return self._ring(lambda: ring_all_reduce(tensor, self._ring_group),
+            ring = self._grad_ring_group if grads else self._ring_group
+            return self._ring(lambda: ring_all_reduce(tensor, ring),
                               "all_reduce", purpose, async_op)
         moved = 2 * self._native_factor() * nbytes
         self.counter.add("all_reduce", purpose, moved, moved, observed=False)
-        return self._native(dist.all_reduce, "all_reduce", tensor, async_op=async_op)
+        return self._native(dist.all_reduce, "all_reduce", tensor, async_op=async_op,
+                            group=self._grad_group if grads else None)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, *, purpose: str = "grads",
                        async_op: bool = False) -> Handle:
@@ -262,15 +279,17 @@ class Comm:
                 output.copy_(input)
             return Handle()
         self._check("reduce_scatter", purpose, input)
+        grads = purpose == "grads"
         if self._use_ring(input.numel() * input.element_size(), "reduce_scatter"):
             from zerotrain.comm.ring import ring_reduce_scatter
 
-            return self._ring(lambda: ring_reduce_scatter(output, input, self._ring_group),
+            ring = self._grad_ring_group if grads else self._ring_group
+            return self._ring(lambda: ring_reduce_scatter(output, input, ring),
                               "reduce_scatter", purpose, async_op)
         moved = self._native_factor() * input.numel() * input.element_size()
         self.counter.add("reduce_scatter", purpose, moved, moved, observed=False)
         return self._native(_reduce_scatter(), "reduce_scatter", output, input,
-                            async_op=async_op)
+                            async_op=async_op, group=self._grad_group if grads else None)
 
     def all_gather(self, output: Tensor, input: Tensor, *, purpose: str = "params",
                    async_op: bool = False) -> Handle:

@@ -10,7 +10,7 @@ from pydantic import (
     model_validator,
 )
 
-from zerotrain.config.base import _Section
+from zerotrain.config.base import _Section, bool_or_auto
 
 
 class ZeroConfig(_Section):
@@ -72,6 +72,15 @@ class CommConfig(_Section):
         120, ge=10, description="how long a collective may wait for the other ranks before "
         "the job fails with an error naming this setting (a stuck rank, or ranks that ran "
         "different collectives: see check_lockstep); one rank's data preparation is exempt")
+    grad_group: bool | Literal["auto"] = Field(
+        "auto", description="gradient reductions on a process group of their own; on NCCL "
+        "each group is one CUDA stream, so ZeRO-3's reduce-scatters then run beside the "
+        "prefetch all-gathers instead of queueing behind them. auto: on with NCCL")
+
+    @field_validator("grad_group", mode="before")
+    @classmethod
+    def _grad_group_choice(cls, v: Any) -> bool | str:
+        return bool_or_auto(v, "comm.grad_group")
     check_lockstep: bool = Field(
         False, description="debug: before every collective, check across ranks that all "
         "run the same one (sequence number, operation, size); a mismatch is an error naming "

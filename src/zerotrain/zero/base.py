@@ -55,6 +55,7 @@ class Strategy(StrategyState):
         meta parameters are left at zero (pretrained weights are loaded next)."""
         self.model, self.plan, self.policy, self.comm, self.cfg = model, plan, policy, comm, cfg
         self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
+        self._published_early = False  # optimizer_step published unit by unit already
         self.keep_shapes, self.skip_init = keep_shapes, skip_init
         self.fp8_gather = fp8_gather  # ZeRO-3: gather the plan's FP8 weights in FP8
         self.device = device
@@ -67,6 +68,8 @@ class Strategy(StrategyState):
         place_rest(model, device, policy.param_dtype, plan.init_buffers)
         self.grads = self.grads_class(policy.grad_dtype, device, self.host,
                                       **self.grads_options())
+        # Offload on a GPU: publish each unit as soon as the CPU has updated it
+        self.step_by_unit = self.offload and getattr(self.grads, "gpu", False)
         # GPUs want 16-byte aligned parameters and shards; the CPU packs them end to end
         align = 16 // policy.param_dtype.itemsize if device.type == "cuda" else 1
         self.units: list[Unit] = [
@@ -282,17 +285,36 @@ class Strategy(StrategyState):
             view.grad = None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Update the master weights from the owned (unscaled, clipped) gradients."""
+        """Update the master weights from the owned (unscaled, clipped) gradients.
+
+        `step_by_unit` (Offload on a GPU): the optimizer steps one unit at a time and each
+        unit is published as soon as it is updated, so its host-to-device copy (and, below
+        ZeRO-3, its all-gather) runs while the CPU updates the next unit — the same
+        elementwise update, so the same numbers, in pieces."""
         if self.muon is not None:
             self.muon.step(optimizer)
             return
-        self.attach_grads()
-        optimizer.step()
-        self.detach_grads()
+        if not self.step_by_unit:
+            self.attach_grads()
+            optimizer.step()
+            self.detach_grads()
+            return
+        by_unit: dict[int, list[tuple[Segment, Tensor]]] = {}
+        for seg, view in self.opt_segments:
+            by_unit.setdefault(seg.unit, []).append((seg, view))
+        for u in self.units:
+            if u.index in by_unit:
+                self.attach_grads(by_unit[u.index])
+                optimizer.step()
+                self.detach_grads()
+            self.publish(u)
+        self._published_early = True
 
     def after_step(self) -> None:
-        for u in self.units:
-            self.publish(u)
+        if not self._published_early:
+            for u in self.units:
+                self.publish(u)
+        self._published_early = False
         self.wait_pending()
         self.after_publish()
 

@@ -105,11 +105,16 @@ class HostGrads(ShardedGrads):
 
 
 class OffloadMixin:
-    """What Offload adds to a stage: host gradients, and an async, fenced publish."""
+    """What Offload adds to a stage: host gradients, and an async, fenced publish.
+
+    On a GPU the optimizer steps unit by unit (`Strategy.step_by_unit`): each unit's
+    host-to-device publish is queued as soon as the CPU has updated it and runs while the
+    CPU updates the next one. A unit's copy reads its master (or its host-cast staging)
+    asynchronously, so the next update of that unit first waits for that copy's event.
+    """
 
     offload = True
     grads_class = HostGrads
-    _published: torch.cuda.Event | None = None
 
     def write_master_into(self, u: Unit, dst: Tensor) -> None:
         if not self.grads.gpu:
@@ -123,8 +128,8 @@ class OffloadMixin:
             u.publish_staging.copy_(src)
             src = u.publish_staging
         dst.copy_(src, non_blocking=True)
-        self._published = torch.cuda.Event()
-        self._published.record(torch.cuda.current_stream(self.device))
+        u.published = torch.cuda.Event()
+        u.published.record(torch.cuda.current_stream(self.device))
 
     def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
         if not self.grads.gpu:
@@ -134,9 +139,12 @@ class OffloadMixin:
         return t
 
     def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
-        if self._published is not None:  # the last publish must have read the masters
-            self._published.synchronize()
-            self._published = None
+        """Before the CPU writes these units' masters: their last publish has read them."""
+        for i in {seg.unit for seg, _ in (self.opt_segments if segments is None else segments)}:
+            u = self.units[i]
+            if u.published is not None:
+                u.published.synchronize()
+                u.published = None
         super().attach_grads(segments)
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ class Unit(FlatUnit):
     grad_dirty: bool = False     # the persistent gradient holds a contribution already
     staging: Tensor | None = field(default=None, repr=False)  # Offload: pinned landing
     publish_staging: Tensor | None = field(default=None, repr=False)  # Offload: host cast
+    published: Any = field(default=None, repr=False)  # Offload on CUDA: publish copy's event
     ready: set[int] = field(default_factory=set)      # slots whose gradient arrived
     reduced: bool = False        # this backward's reduction has been started
 
