@@ -324,12 +324,14 @@ class Engine(DeepSpeedAPI):
         bpp = BytesPerParam(p.param_dtype.itemsize, p.grad_dtype.itemsize,
                             p.master_dtype.itemsize if p.master_dtype else 0, k)
         largest = max((u.numel for u in s.units), default=0)
+        widest = max((sl.numel for u in s.units for sl in u.slots), default=0)
         predicted = phase_estimates(
             s.buffer_numels(), self.world_size, s.stage, bpp, offload=s.offload,
             largest_unit=largest, activations=activations,
             reduce_bytes=p.reduce_dtype.itemsize, in_flight=s.max_in_flight,
             prefetch=self.config.zero.prefetch, high_water=self.device.type == "cpu",
-            lazy_grads=self.device.type == "cpu")
+            lazy_grads=self.device.type == "cpu",
+            init_piece=widest if self.plan.init is not None else None)
         base = self.phases.baseline
         measured = {k: v - base for k, v in self.phases.peaks.items()}
         return {"measured": measured, "predicted": {k: predicted[k] for k in measured}}

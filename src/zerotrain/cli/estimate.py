@@ -345,7 +345,8 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
         prefetch=cfg.zero.prefetch, high_water=cpu,
         largest_param=max(p.numel() for _, p, _ in named),
         runtime=COMPILE_RUNTIME_BYTES if compiled else 0,
-        retention=CPU_RETENTION if cpu else 0.0, lazy_grads=cpu)
+        retention=CPU_RETENTION if cpu else 0.0, lazy_grads=cpu,
+        init_piece=max(p.numel() for _, p, _ in named) if plan.init is not None else None)
     base = CPU_BASELINE_BYTES if cpu else 0
     return {"phases": phases, "baseline": base, "init": base + phases["init"],
             "steady": base + steady_peak(phases), "device": device,

@@ -12,7 +12,9 @@ ZeRO table plus what each phase adds. The engine measures the same phases
   lazily), so init holds everything but them; every later phase holds them all.
 - **init** — the model is materialised one unit at a time (a meta-device model), its
   initial values drawn in place into the unit's buffer (models/init.py): ZeRO-3 holds
-  one unit's full buffer while it cuts the shard (`largest_unit`); stages 0-2 keep their
+  one unit's full buffer while it cuts the shard (`largest_unit`), or, when the plan's
+  per-name rule gives the values, only the parameter being drawn (`init_piece`: each is
+  drawn whole into one scratch buffer and its owned slice kept); stages 0-2 keep their
   buffers, nothing transient. Stages 2-3 never zero their gradient shard (each backward's
   first reduction overwrites it), so on a CPU its pages become resident only at the first
   backward (`lazy_grads`); a GPU's allocator counts it at init.
@@ -96,7 +98,8 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
                     *, offload: bool = False, largest_unit: int = 0, activations: int = 0,
                     reduce_bytes: int = 4, in_flight: int = 2, prefetch: bool = True,
                     high_water: bool = False, largest_param: int = 0, runtime: int = 0,
-                    retention: float = 0.0, lazy_grads: bool = False) -> dict[str, int]:
+                    retention: float = 0.0, lazy_grads: bool = False,
+                    init_piece: int | None = None) -> dict[str, int]:
     """Bytes above the baseline at each phase's peak, per rank (device and host together,
     as one CPU process sees them). `largest_param`: elements of the largest parameter
     (autograd's fresh gradient); `runtime`: resident bytes the first step adds
@@ -104,7 +107,9 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
     allocator's allowance (`CPU_RETENTION` for a CPU process). `high_water`: the running
     maximum over the phases in order — what a resident-set high-water mark measures on
     CPU, where freed memory usually stays with the process. `lazy_grads`: stages 2-3's
-    gradient shard is not resident at init (a CPU process)."""
+    gradient shard is not resident at init (a CPU process). `init_piece`: elements
+    ZeRO-3 materialises at once during init — a whole unit by default, the largest
+    parameter when the plan's per-name rule draws each parameter into the shard."""
     est = model_state_bytes_from_buffers(
         buffer_numels, world, stage, param_bytes=bpp.params, grad_bytes=bpp.grads,
         master_bytes=bpp.master, optim_bytes=bpp.optimizer, offload=offload,
@@ -121,7 +126,9 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
         saved += bpp.params * sum(owned)
     grads = est.device["grads"] + est.host["grads"] if lazy_grads and stage >= 2 else 0
     live = {
-        "init": states - optimizer - grads + unit,
+        "init": states - optimizer - grads + (
+            (largest_unit if init_piece is None else init_piece) * bpp.params
+            if stage == 3 else 0),
         "forward": held + gathered + activations,
         "backward": held + gathered + activations + largest_param * bpp.grads,
         "step": held,

@@ -78,6 +78,7 @@ class Strategy(StrategyState):
         ]
         for u in self.units:
             self.init_unit(u)
+        self.init_done()
         self.opt_segments: list[tuple[Segment, Tensor]] = self._optimizer_views()
         # Muon above stage 0: every matrix is updated whole by one owner (zero/muon.py)
         self.muon = MuonOwners(self) if keep_shapes and self.shards_optimizer else None
@@ -107,6 +108,9 @@ class Strategy(StrategyState):
         self.grads.allocate(u)
         lo, hi = self.opt_range(u)
         u.master = self.master_for(u.params[lo:hi])
+
+    def init_done(self) -> None:
+        """Every unit is initialised (ZeRO-3 drops its scratch buffer here)."""
 
     def init_values(self, u: Unit) -> None:
         """Initial values of a unit built on the meta device, written into its buffer.
