@@ -65,12 +65,13 @@ def test_cli_config_show(capsys):
     assert out["zero"]["stage"] == 3 and out["precision"]["loss_scale"]["window"] == 1000
 
 
-def test_cli_user_errors_are_one_line(capsys):
+def test_cli_user_errors_are_one_line(capsys, tmp_path):
     assert main(["train", "--optimizer.lrr", "1"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'optimizer.lr'" in err and "Traceback" not in err
+    # its own run folder: the checkout's runs/default may hold `make train`'s run
     assert main(["train", "--data.path", "/nonexistent/corpus", "--train.steps", "1",
-                 "--schedule.warmup_steps", "0"]) == 2
+                 "--schedule.warmup_steps", "0", "--logging.run_dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "data.path '/nonexistent/corpus' does not exist" in err
     assert main(["trian"]) == 2

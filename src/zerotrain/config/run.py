@@ -76,15 +76,15 @@ class CommConfig(_Section):
         "auto", description="gradient reductions on a process group of their own; on NCCL "
         "each group is one CUDA stream, so ZeRO-3's reduce-scatters then run beside the "
         "prefetch all-gathers instead of queueing behind them. auto: on with NCCL")
+    check_lockstep: bool = Field(
+        False, description="debug: before every collective, check across ranks that all "
+        "run the same one (sequence number, operation, size); a mismatch is an error naming "
+        "the ranks, not a hang. One small extra all-gather per collective")
 
     @field_validator("grad_group", mode="before")
     @classmethod
     def _grad_group_choice(cls, v: Any) -> bool | str:
         return bool_or_auto(v, "comm.grad_group")
-    check_lockstep: bool = Field(
-        False, description="debug: before every collective, check across ranks that all "
-        "run the same one (sequence number, operation, size); a mismatch is an error naming "
-        "the ranks, not a hang. One small extra all-gather per collective")
 
 
 class CheckpointConfig(_Section):

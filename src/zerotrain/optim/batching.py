@@ -26,7 +26,7 @@ compiled matches fused.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -39,6 +39,28 @@ ACCEL_BLOCK_ELEMENTS = 1 << 24
 #: Tensors at least this large go through the compiled kernel when `compiled=True`;
 #: smaller ones are cheaper in eager batches than as one compiled call each.
 COMPILE_MIN_ELEMENTS = 1 << 16
+
+
+Tensors = Tensor | Sequence[Tensor]
+
+
+def _as_list(x: Tensors) -> list[Tensor]:
+    return [x] if isinstance(x, Tensor) else list(x)
+
+
+def lists(*xs: Tensors) -> tuple[list[Tensor], ...]:
+    """Tensors or lists of them as lists, checked to pair up (same length, same shapes)."""
+    out = tuple(_as_list(x) for x in xs)
+    n = len(out[0])
+    for lst in out[1:]:
+        if len(lst) != n:
+            raise ValueError(f"tensor lists differ in length ({n} vs {len(lst)})")
+        for i, (p, t) in enumerate(zip(out[0], lst)):
+            if t.shape != p.shape:
+                raise ValueError(f"tensor {i}: shape {tuple(t.shape)} does not match the "
+                                 f"parameter's {tuple(p.shape)}; was optimizer state loaded "
+                                 "for a different parameter order?")
+    return out
 
 
 def block_elements(device: torch.device) -> int:
