@@ -26,6 +26,18 @@ class _Section(BaseModel):
                     raise ValueError(f"{cls._section_name()}.{name} is a number, got {value!r}")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _true_false_or_auto(cls, data: Any) -> Any:
+        # every `bool | Literal["auto"]` field: one message for a bad value, not one per
+        # member of the union
+        if isinstance(data, dict):
+            for name, value in list(data.items()):
+                f = cls.model_fields.get(name)
+                if f is not None and _bool_or_auto_field(f.annotation):
+                    data = {**data, name: bool_or_auto(value, f"{cls._section_name()}.{name}")}
+        return data
+
     @classmethod
     def _section_name(cls) -> str:
         return cls.__name__.removesuffix("Config").lower()
@@ -40,6 +52,10 @@ def _numeric(annotation: Any) -> bool:
         kinds = [a for a in args if a is not type(None)]
         return bool(kinds) and all(_numeric(a) for a in kinds)
     return annotation in (int, float)
+
+
+def _bool_or_auto_field(annotation: Any) -> bool:
+    return set(get_args(annotation)) == {bool, Literal["auto"]}
 
 
 def bool_or_auto(v: Any, field: str) -> bool | str:

@@ -10,7 +10,7 @@ from pydantic import (
     model_validator,
 )
 
-from zerotrain.config.base import _Section, bool_or_auto
+from zerotrain.config.base import _Section
 
 
 class ZeroConfig(_Section):
@@ -80,11 +80,6 @@ class CommConfig(_Section):
         False, description="debug: before every collective, check across ranks that all "
         "run the same one (sequence number, operation, size); a mismatch is an error naming "
         "the ranks, not a hang. One small extra all-gather per collective")
-
-    @field_validator("grad_group", mode="before")
-    @classmethod
-    def _grad_group_choice(cls, v: Any) -> bool | str:
-        return bool_or_auto(v, "comm.grad_group")
 
 
 class CheckpointConfig(_Section):

@@ -10,7 +10,7 @@ from pydantic import (
     model_validator,
 )
 
-from zerotrain.config.base import _Section, bool_or_auto
+from zerotrain.config.base import _Section
 
 OptimizerName = Literal["adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "muon"]
 
@@ -46,11 +46,6 @@ class OptimizerConfig(_Section):
         "for the compiler at start). auto: only when this rank's optimizer holds at least "
         "2^24 parameters, where that one-off cost is repaid within a few hundred steps"
     )
-
-    @field_validator("compile", mode="before")
-    @classmethod
-    def _compile_choice(cls, v: Any) -> bool | str:
-        return bool_or_auto(v, "optimizer.compile")
 
     @field_validator("grad_clip")
     @classmethod
@@ -168,11 +163,6 @@ class PrecisionConfig(_Section):
         "auto", description="fp32 matrix multiplies on TF32 tensor cores "
         "(torch.set_float32_matmul_precision('high')), about 8x faster on A100/H100 at a "
         "10-bit mantissa; auto: on for precision.dtype fp32 on CUDA, untouched otherwise")
-
-    @field_validator("tf32", mode="before")
-    @classmethod
-    def _tf32_choice(cls, v: Any) -> bool | str:
-        return bool_or_auto(v, "precision.tf32")
 
     @model_validator(mode="after")
     def _fp8_dtype(self) -> PrecisionConfig:
