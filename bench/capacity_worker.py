@@ -18,13 +18,10 @@ driver's memory watchdog says where it was.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers_workers import adamw_kwargs, build_job, decay_groups, torch_job
+from peers_workers import adamw_kwargs, build_job, decay_groups, run_rank, torch_job
 from zerotrain.config import ModelConfig
 from zerotrain.memory import activation_bytes, proc_status, reset_peak_rss
 from zerotrain.models import build_model
@@ -176,24 +173,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     a = parse()
-    rank = int(os.environ.get("RANK", 0))
-    phase = Phase(a.out, rank)
+    phase = Phase(a.out, int(os.environ.get("RANK", 0)))
     phase("start")
-    try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        result = run(a, phase)
-    except BaseException as e:  # recorded in the table, not hidden
-        err = {"ok": False, "system": a.system, "error": f"{type(e).__name__}: {e}",
-               "traceback": traceback.format_exc()}
-        Path(f"{a.out}.rank{rank}.err").write_text(json.dumps(err))
-        raise
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    if rank == 0:
-        Path(a.out).write_text(json.dumps(result))
-
+    run_rank(a, lambda: run(a, phase), 600)
 
 if __name__ == "__main__":
     main()

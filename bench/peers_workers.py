@@ -432,18 +432,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main() -> None:
-    a = parse()
+def run_rank(a: argparse.Namespace, work: Callable[[], dict[str, Any]],
+             timeout_s: int) -> None:
+    """One rank of a benchmark job: `work()` inside a gloo group; rank 0 writes its result
+    to `a.out`, a failing rank its error and traceback to `a.out`.rank<r>.err (recorded in
+    the table, not hidden) before re-raising."""
     rank = int(os.environ.get("RANK", 0))
-    result: dict[str, Any]
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-        result = run(a)
-    except BaseException as e:  # recorded in the table, not hidden
-        result = {"system": a.system, "ok": False, "error": f"{type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()}
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        result = work()
+    except BaseException as e:
+        err = {"system": a.system, "ok": False, "error": f"{type(e).__name__}: {e}",
+               "traceback": traceback.format_exc()}
         with open(f"{a.out}.rank{rank}.err", "w") as f:
-            json.dump(result, f)
+            json.dump(err, f)
         raise
     finally:
         if dist.is_initialized():
@@ -452,6 +454,11 @@ def main() -> None:
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(result, f)
+
+
+def main() -> None:
+    a = parse()
+    run_rank(a, lambda: run(a), 300)
 
 
 if __name__ == "__main__":

@@ -338,15 +338,16 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
                            seq or cfg.model.block_size,
                            act_bytes=activation_dtype_bytes(cfg.precision.dtype))
     cpu = device == "cpu"
+    widest = max(p.numel() for _, p, _ in named)
     phases = phase_estimates(
         numels, world, stage, bpp, offload=offload,
         largest_unit=max(numels) if stage == 3 else 0, activations=act,
         reduce_bytes=pol.reduce_dtype.itemsize, in_flight=cfg.zero.in_flight(device),
         prefetch=cfg.zero.prefetch, high_water=cpu,
-        largest_param=max(p.numel() for _, p, _ in named),
+        largest_param=widest,
         runtime=COMPILE_RUNTIME_BYTES if compiled else 0,
         retention=CPU_RETENTION if cpu else 0.0, lazy_grads=cpu,
-        init_piece=max(p.numel() for _, p, _ in named) if plan.init is not None else None)
+        init_piece=widest if plan.init is not None else None)
     base = CPU_BASELINE_BYTES if cpu else 0
     return {"phases": phases, "baseline": base, "init": base + phases["init"],
             "steady": base + steady_peak(phases), "device": device,

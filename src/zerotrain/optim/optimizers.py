@@ -38,6 +38,8 @@ class _Base(torch.optim.Optimizer):
 
     #: torch.optim group flags we do not implement; a checkpoint asking for them is refused.
     _REFUSED = ("amsgrad", "maximize", "differentiable")
+    #: called once, at the first step() (build_optimizer's compile vote across ranks)
+    before_first_step: Callable[[], None] | None = None
     #: True when the rule treats every element alone, so a flat run of many parameters
     #: can stand in for them (ZeRO shards, stage 0's per-group views). Muon is not: it
     #: orthogonalises whole matrices and needs their real shapes.
@@ -63,8 +65,8 @@ class _Base(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        hook, self.before_first_step = getattr(self, "before_first_step", None), None
-        if hook is not None:  # a decision all ranks take together at their first step
+        if self.before_first_step is not None:  # decided by all ranks at their first step
+            hook, self.before_first_step = self.before_first_step, None
             hook()
         for group in self.param_groups:
             for flag in self._REFUSED:

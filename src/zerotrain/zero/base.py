@@ -55,7 +55,6 @@ class Strategy(StrategyState):
         meta parameters are left at zero (pretrained weights are loaded next)."""
         self.model, self.plan, self.policy, self.comm, self.cfg = model, plan, policy, comm, cfg
         self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
-        self._published_early = False  # optimizer_step published unit by unit already
         self.keep_shapes, self.skip_init = keep_shapes, skip_init
         self.fp8_gather = fp8_gather  # ZeRO-3: gather the plan's FP8 weights in FP8
         self.device = device
@@ -312,13 +311,11 @@ class Strategy(StrategyState):
                 optimizer.step()
                 self.detach_grads()
             self.publish(u)
-        self._published_early = True
 
     def after_step(self) -> None:
-        if not self._published_early:
+        if not self.step_by_unit or self.muon is not None:  # else: published in the step
             for u in self.units:
                 self.publish(u)
-        self._published_early = False
         self.wait_pending()
         self.after_publish()
 
