@@ -8,8 +8,11 @@
 stages: every ZeRO stage and Offload, fp32 (TF32 off) and bf16, a few steps of a small
         GPT on a fixed global batch; rank 0 saves each run's final full parameters and
         losses (`stages.pt`; `stages_ref.pt` for the one-process stage-0 reference), so
-        the driver can hold them against one process.
-perf:   one system on a 1-3B model: step time and peak torch.cuda.max_memory_allocated.
+        the driver can hold them against one process. At N >= 2 also N1 end to end
+        (ZeRO-3 with the FP8 all-gather: REPRODUCED / FIXED). --dry-run: fewer cases.
+perf:   one system on a 1-3B model built on the meta device (zerotrain's engine
+        materialises it; FSDP2 gets to_empty + the model's init_param): step time, peak and
+        after-init torch.cuda.max_memory_allocated.
 Rank 0 writes `<job>.json`; a failure is written there too, with its traceback.
 """
 
@@ -94,35 +97,65 @@ def train_small(overrides: dict, steps: int, device: str, rows: int) -> dict:
     return {"losses": losses, "params": params, "facts": facts}
 
 
+N1_CASE = ("stage 3 + fp8 all-gather (N1)",
+           {"zero": {"stage": 3}, "precision": {"dtype": "bf16",
+                                                "fp8": {"enabled": True, "all_gather": True}}})
+
+
 def job_stages(args: argparse.Namespace) -> dict:
     device = "cpu" if args.dry_run else "cuda"
     info = init_distributed(device, "auto", 120)
     runs = STAGES + ([RING] if info.world_size > 1 else [])
+    precisions = ("fp32", "bf16")
+    if args.dry_run:  # the script's test: a few of each kind
+        runs, precisions = [STAGES[0], STAGES[3], STAGES[4], *runs[len(STAGES):]], ("fp32",)
     if args.reference:  # one process: stage 0 is the reference for every row
         runs = STAGES[:1]
     out: dict = {}
-    for prec in ("fp32", "bf16"):
+    for prec in precisions:
         for name, over in runs:
             over = deep_merge(over, {"precision": {"dtype": prec, "tf32": False}})
             t0 = time.perf_counter()
             res = train_small(over, args.steps, device, PER_RANK * args.batch_world)
             res["seconds"] = time.perf_counter() - t0
             out[f"{name} | {prec}"] = res
+    if info.world_size > 1:
+        out[N1_CASE[0]] = n1_end_to_end(args, device)
     if info.rank == 0:
         name = "stages_ref.pt" if args.reference else "stages.pt"
         torch.save(out, Path(args.out) / name)
     return {"world_size": info.world_size, "runs": list(out)}
 
 
+def n1_end_to_end(args: argparse.Namespace, device: str) -> dict:
+    """N1 at N ranks: ZeRO-3 with the FP8 all-gather trains (FIXED) or dies at init with
+    torch.stack mixing devices (REPRODUCED). On CPU ranks nothing can mix (INFO)."""
+    try:
+        res = train_small(N1_CASE[1], 2, device, PER_RANK * args.batch_world)
+    except Exception as e:
+        text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        mixed = "device" in text and ("stack" in traceback.format_exc()
+                                      or "same device" in text)
+        return {"status": "REPRODUCED" if mixed else "FAIL", "error": text}
+    ok = all(x == x for x in res["losses"])
+    if device == "cpu":
+        return {"status": "INFO", "error": "CPU ranks: no device to mix (no stand-in for "
+                f"N1 here; probes has one); trained, losses {res['losses']}"}
+    return {"status": "FIXED" if ok else "FAIL",
+            "error": f"trained 2 steps at N={dist.get_world_size()}, losses {res['losses']}"}
+
+
 # ----------------------------------------------------------------------------- perf
 
 
-def big_model(preset: str, device: torch.device, seq: int) -> torch.nn.Module:
+def meta_model(preset: str, seq: int) -> torch.nn.Module:
+    """The perf model on the meta device, as `zerotrain train` builds it: no system pays
+    for a whole fp32 model on the GPU at init (review 3, section 6, item 4)."""
     from zerotrain.config import ModelConfig
     from zerotrain.models import build_model
 
-    torch.manual_seed(0)
-    return build_model(ModelConfig(preset=preset, block_size=seq, vocab_size=32000), device)
+    return build_model(ModelConfig(preset=preset, block_size=seq, vocab_size=32000),
+                       device="meta")
 
 
 def job_perf(args: argparse.Namespace) -> dict:
@@ -169,7 +202,7 @@ def _zerotrain(args: argparse.Namespace, dev: torch.device):
     from zerotrain.engine import Engine
 
     stage = int(args.system.split("-")[1])
-    model = big_model(args.preset, dev, args.seq)
+    model = meta_model(args.preset, args.seq)  # the engine materialises it unit by unit
     cfg = build_config({"model": {"preset": args.preset, "block_size": args.seq,
                                   "vocab_size": 32000},
                         "precision": {"dtype": "bf16"},
@@ -194,14 +227,24 @@ def _fsdp2(args: argparse.Namespace, dev: torch.device):
     and reductions, torch's fused AdamW; `fsdp2` reshards after forward (ZeRO-3-like),
     `fsdp2-noreshard` keeps parameters gathered (ZeRO-2-like)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
 
-    model = big_model(args.preset, dev, args.seq)
+    model = meta_model(args.preset, args.seq)
     n = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     reshard = args.system == "fsdp2"
     for block in model.blocks:
         fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+    # meta -> this rank's shards, then the model's own values (init_param: from the seed
+    # and the name, as zerotrain draws them), one whole parameter at a time
+    model.to_empty(device=dev)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = torch.empty(p.shape, dtype=p.dtype, device=dev)
+            model.init_param(name, full)
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+            del full
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
 
     def step(x, y) -> float:

@@ -1,0 +1,156 @@
+"""Offload's fences under delayed copies (W1, S2, S6): bench/gpu_check.sh, section race.
+
+Trains the same tiny GPT under three Offload/ZeRO-3 configurations and saves every
+run's losses and final parameters:
+  --mode normal   as shipped;
+  --mode sleep    a ~10 ms GPU sleep queued right before each async copy (the publish
+                  H2D on the current stream, the gradient D2H on Offload's side stream, the
+                  batch H2D), so each copy lands long after the host moved on: a missing
+                  fence (event, record_stream, pinned-block reuse) then reads or writes
+                  stale data;
+and the driver runs `--mode normal` once more under CUDA_LAUNCH_BLOCKING=1 (every copy
+synchronous). With deterministic kernels the three agree bit for bit:
+  python offload_race.py --compare OUT.json normal=a.pt sleep=b.pt blocking=c.pt
+exits 1 on any difference. `--dry-run`: the same on the CPU, where copies are synchronous
+and the sleeps pass straight through (it tests this script, not the fences).
+Needs PYTHONPATH=<repo>/src:<repo>/tests and CUBLAS_WORKSPACE_CONFIG=:4096:8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+SLEEP_CYCLES = 20_000_000  # about 10 ms at H200 clocks
+CASES = {
+    "zero2-offload-bf16": {"zero": {"stage": 2, "offload_optimizer": "cpu"}},
+    "zero3-offload-bf16-accum2": {"zero": {"stage": 3, "offload_optimizer": "cpu"},
+                                  "data": {"grad_accum_steps": 2}},
+    "zero3-bf16": {"zero": {"stage": 3}},
+}
+
+
+def patch_sleeps() -> None:
+    """Queue a GPU sleep before every async copy that a fence must order."""
+    from zerotrain.data import sampler
+    from zerotrain.zero import offload
+
+    real_write = offload.OffloadMixin.write_master_into
+
+    def write(self, u, dst):
+        if self.grads.gpu:
+            torch.cuda._sleep(SLEEP_CYCLES)  # the publish H2D queues behind this
+        return real_write(self, u, dst)
+
+    real_landing = offload.HostGrads.landing
+
+    def landing(self, u):
+        out, done = real_landing(self, u)
+        if not self.gpu:
+            return out, done
+
+        def late_done():
+            with torch.cuda.stream(self.stream):  # the D2H copy queues behind this
+                torch.cuda._sleep(SLEEP_CYCLES)
+            done()
+
+        return out, late_done
+
+    real_to_device = sampler.to_device
+
+    def to_device(t, device):
+        if device.type == "cuda":
+            torch.cuda._sleep(SLEEP_CYCLES)  # the pinned staging block stays in use
+        return real_to_device(t, device)
+
+    offload.OffloadMixin.write_master_into = write
+    offload.HostGrads.landing = landing
+    sampler.to_device = to_device
+
+
+def run_case(over: dict, device: str, steps: int) -> dict:
+    from zerotrain.config import deep_merge
+    from zerotrain.data import sampler
+    from zerotrain.engine import Engine
+    from zerotrain.models.gpt import GPT
+
+    from zero_harness import batches, full_params, make_config
+
+    over = deep_merge(over, {"precision": {"dtype": "bf16"}, "train": {"device": device},
+                             "zero": {"bucket_mb": 0.01}, "optimizer": {"lr": 2e-3}})
+    cfg = make_config(over, 1, steps)
+    torch.manual_seed(0)
+    eng = Engine(GPT(cfg.model), cfg)
+    accum, b = cfg.data.grad_accum_steps, cfg.data.micro_batch_size
+    losses = []
+    for X, Y in batches(steps):
+        for m in range(accum):
+            x, y = X[m * b:(m + 1) * b], Y[m * b:(m + 1) * b]
+            loss = eng(sampler.to_device(x, eng.device), sampler.to_device(y, eng.device))
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.detach())
+    s = eng.strategy
+    facts = {"step_by_unit": getattr(s, "step_by_unit", None), "units": len(s.units),
+             "pinned": all(u.master.is_pinned() for u in s.units)
+             if s.offload and device == "cuda" else None}
+    out = {"losses": [float(v) for v in losses],
+           "params": {k: v.cpu() for k, v in full_params(eng).items()}, "facts": facts}
+    eng.close()
+    return out
+
+
+def compare(out: str, runs: list[str]) -> int:
+    """Every run against the first, bit for bit; one JSON row per (run, case)."""
+    loaded = {name: torch.load(path, weights_only=False)
+              for name, path in (r.split("=", 1) for r in runs)}
+    base_name, base = next(iter(loaded.items()))
+    rows, bad = [], 0
+    for name, res in loaded.items():
+        for case, r in res.items():
+            b = base[case]
+            same_loss = r["losses"] == b["losses"]
+            diff = max(float((r["params"][k].float() - b["params"][k].float()).abs().max())
+                       for k in b["params"])
+            facts = r["facts"]
+            offload = "offload" in case
+            fenced = not offload or facts["pinned"] in (True, None)
+            ok = same_loss and diff == 0.0 and fenced
+            bad += not ok
+            rows.append({"run": name, "case": case, "vs": base_name, "identical": ok,
+                         "losses_identical": same_loss, "max_param_diff": diff,
+                         "facts": facts})
+            print(f"[race] {'PASS' if ok else 'FAIL'} {name} {case}: losses identical "
+                  f"{same_loss}, max |param diff| {diff:.3g}, {facts}", flush=True)
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 1 if bad else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["normal", "sleep"], default="normal")
+    p.add_argument("--out")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--compare", nargs="+", metavar="OUT.json NAME=PATH")
+    a = p.parse_args()
+    if a.compare:
+        return compare(a.compare[0], a.compare[1:])
+    device = "cpu" if a.dry_run else "cuda"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if device == "cuda":  # math attention: a deterministic backward
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+    if a.mode == "sleep":  # on the CPU the wrappers pass straight through
+        patch_sleeps()
+    cases = dict(list(CASES.items())[:2]) if a.dry_run else CASES
+    torch.save({name: run_case(over, device, a.steps) for name, over in cases.items()}, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
