@@ -148,13 +148,13 @@ def n1_end_to_end(args: argparse.Namespace, device: str) -> dict:
 # ----------------------------------------------------------------------------- perf
 
 
-def meta_model(preset: str, seq: int) -> torch.nn.Module:
+def meta_model(preset: str, seq: int, vocab: int) -> torch.nn.Module:
     """The perf model on the meta device, as `zerotrain train` builds it: no system pays
     for a whole fp32 model on the GPU at init (review 3, section 6, item 4)."""
     from zerotrain.config import ModelConfig
     from zerotrain.models import build_model
 
-    return build_model(ModelConfig(preset=preset, block_size=seq, vocab_size=32000),
+    return build_model(ModelConfig(preset=preset, block_size=seq, vocab_size=vocab),
                        device="meta")
 
 
@@ -173,8 +173,8 @@ def job_perf(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(7)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
-        x = torch.randint(0, 32000, (args.batch, args.seq), generator=g)
-        y = torch.randint(0, 32000, (args.batch, args.seq), generator=g)
+        x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -202,9 +202,9 @@ def _zerotrain(args: argparse.Namespace, dev: torch.device):
     from zerotrain.engine import Engine
 
     stage = int(args.system.split("-")[1])
-    model = meta_model(args.preset, args.seq)  # the engine materialises it unit by unit
+    model = meta_model(args.preset, args.seq, args.vocab)  # the engine materialises it
     cfg = build_config({"model": {"preset": args.preset, "block_size": args.seq,
-                                  "vocab_size": 32000},
+                                  "vocab_size": args.vocab},
                         "precision": {"dtype": "bf16"},
                         "zero": {"stage": stage, "bucket_mb": 100},
                         "optimizer": {"lr": 1e-4, "grad_clip": 1.0},
@@ -229,7 +229,7 @@ def _fsdp2(args: argparse.Namespace, dev: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    model = meta_model(args.preset, args.seq)
+    model = meta_model(args.preset, args.seq, args.vocab)
     n = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     reshard = args.system == "fsdp2"
@@ -267,23 +267,28 @@ def main() -> None:
     p.add_argument("--batch-world", type=int, default=1, help="stages: the sharded run's N")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--system", default="zt-3")
+    p.add_argument("--system", default="zt-3", help="perf: one, or several joined by ','")
+    p.add_argument("--vocab", type=int, default=32000, help="perf: vocabulary size")
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     args = p.parse_args()
-    name = args.job + ("_ref" if args.reference else "") + (
-        f"_{args.system}" if args.job == "perf" else "")
-    result: dict
-    try:
-        result = {"ok": True, **(job_stages(args) if args.job == "stages" else job_perf(args))}
-    except BaseException as e:  # reported by the driver, never a silent hang
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()[-4000:]}
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 or not result["ok"]:
-        suffix = "" if result["ok"] else f"_rank{rank}_failed"
-        (Path(args.out) / f"{name}{suffix}.json").write_text(json.dumps(result, indent=1))
+    # perf: several systems one after another in one process (the dry run's economy)
+    for system in args.system.split(",") if args.job == "perf" else [args.system]:
+        args.system = system
+        name = args.job + ("_ref" if args.reference else "") + (
+            f"_{system}" if args.job == "perf" else "")
+        result: dict
+        try:
+            result = {"ok": True,
+                      **(job_stages(args) if args.job == "stages" else job_perf(args))}
+        except BaseException as e:  # reported by the driver, never a silent hang
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                      "traceback": traceback.format_exc()[-4000:]}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0 or not result["ok"]:
+            suffix = "" if result["ok"] else f"_rank{rank}_failed"
+            (Path(args.out) / f"{name}{suffix}.json").write_text(json.dumps(result, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -3,7 +3,7 @@
     python bench/gpu_verify/deps.py [--pretend-missing NAME ...]
 
 Reads [project].dependencies from pyproject.toml (the tracked source of truth), adds
-pytest (the gpu-marked tests), and prints one JSON object: {"python", "torch", "cuda",
+pytest (the gpu-marked tests), and prints one JSON object: {"python", "torch",
 "present": {name: version}, "missing": [requirement, ...]}. torch is never in "missing"
 as a thing to install: the GPU machine's own CUDA build must be the one used.
 Standard library only, so it runs before anything is installed. `--pretend-missing`
@@ -41,18 +41,13 @@ def main() -> None:
     p.add_argument("--pretend-missing", nargs="*", default=[])
     a = p.parse_args()
     present, missing = {}, []
-    torch_info: dict = {"torch": None, "cuda": None}
+    torch_info: dict = {"torch": None}
     for req in requirements():
         name = dist_name(req)
         module = IMPORT_NAMES.get(name.lower(), name.replace("-", "_"))
         found = name not in a.pretend_missing and importlib.util.find_spec(module) is not None
         if name == "torch":
-            if found:
-                import torch
-
-                torch_info = {"torch": torch.__version__,
-                              "cuda": torch.version.cuda if torch.cuda.is_available()
-                              else None}
+            torch_info = {"torch": md.version("torch") if found else None}
             continue
         if found:
             try:

@@ -2,17 +2,17 @@
 
 Trains the same tiny GPT under three Offload/ZeRO-3 configurations and saves every
 run's losses and final parameters:
-  --mode normal   as shipped;
-  --mode sleep    a ~10 ms GPU sleep queued right before each async copy (the publish
-                  H2D on the current stream, the gradient D2H on Offload's side stream, the
-                  batch H2D), so each copy lands long after the host moved on: a missing
-                  fence (event, record_stream, pinned-block reuse) then reads or writes
-                  stale data;
-and the driver runs `--mode normal` once more under CUDA_LAUNCH_BLOCKING=1 (every copy
-synchronous). With deterministic kernels the three agree bit for bit:
-  python offload_race.py --compare OUT.json normal=a.pt sleep=b.pt blocking=c.pt
-exits 1 on any difference. `--dry-run`: the same on the CPU, where copies are synchronous
-and the sleeps pass straight through (it tests this script, not the fences).
+  normal    as shipped;
+  sleep     a ~10 ms GPU sleep queued right before each async copy (the publish H2D on
+            the current stream, the gradient D2H on Offload's side stream, the batch H2D),
+            so each copy lands long after the host moved on: a missing fence (event,
+            record_stream, pinned-block reuse) then reads or writes stale data;
+  blocking  normal once more, in a process with CUDA_LAUNCH_BLOCKING=1 (copies synchronous).
+With deterministic kernels the three agree bit for bit:
+  python offload_race.py --out-dir D --runs normal sleep
+  CUDA_LAUNCH_BLOCKING=1 python offload_race.py --out-dir D --runs blocking --compare
+writes D/race.json and exits 1 on any difference. `--dry-run`: the same on the CPU, where
+copies are synchronous and the sleeps pass straight through (a test of this script only).
 Needs PYTHONPATH=<repo>/src:<repo>/tests and CUBLAS_WORKSPACE_CONFIG=:4096:8.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -132,24 +133,32 @@ def compare(out: str, runs: list[str]) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["normal", "sleep"], default="normal")
-    p.add_argument("--out")
+    p.add_argument("--out-dir", required=True, help="<run>.pt per run; race.json")
+    p.add_argument("--runs", nargs="*", default=[], choices=["normal", "sleep", "blocking"],
+                   help="in this order; sleep patches for the rest of the process; "
+                   "blocking is normal, named for the caller's CUDA_LAUNCH_BLOCKING=1")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--compare", nargs="+", metavar="OUT.json NAME=PATH")
+    p.add_argument("--compare", action="store_true", help="then every <run>.pt in --out-dir "
+                   "against normal.pt, bit for bit (exit 1 on a difference)")
     a = p.parse_args()
-    if a.compare:
-        return compare(a.compare[0], a.compare[1:])
+    out = Path(a.out_dir)
     device = "cpu" if a.dry_run else "cuda"
     torch.use_deterministic_algorithms(True, warn_only=True)
     if device == "cuda":  # math attention: a deterministic backward
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-    if a.mode == "sleep":  # on the CPU the wrappers pass straight through
-        patch_sleeps()
     cases = dict(list(CASES.items())[:2]) if a.dry_run else CASES
-    torch.save({name: run_case(over, device, a.steps) for name, over in cases.items()}, a.out)
-    return 0
+    for run in a.runs:
+        if run == "sleep":  # on the CPU the wrappers pass straight through
+            patch_sleeps()
+        torch.save({name: run_case(over, device, a.steps) for name, over in cases.items()},
+                   out / f"{run}.pt")
+    if not a.compare:
+        return 0
+    runs = [f"{r}={out / f'{r}.pt'}" for r in ("normal", "sleep", "blocking")
+            if (out / f"{r}.pt").is_file()]
+    return compare(str(out / "race.json"), runs)
 
 
 if __name__ == "__main__":
