@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -48,6 +49,7 @@ ORDER = ["env", "setup", "probes", "fp8", "race", "init_mem", "pytest", "cli", "
 # seconds each section may take on the GPU; dry-run caps are in DRY_CAPS
 CAPS = {"env": 20, "setup": 120, "probes": 90, "fp8": 75, "race": 150, "init_mem": 100,
         "pytest": 160, "cli": 100, "stages": 120, "perf": 200}
+WHOLE = float("inf")  # a command's cap: what is left of its section
 DRY_CAPS = {k: 150.0 for k in CAPS}  # generous: 2 shared cores can be slow
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT"}
@@ -252,7 +254,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             return
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=3)
             return
         except subprocess.TimeoutExpired:
             continue
@@ -381,8 +383,10 @@ def section_setup(ctx: Ctx) -> None:
                           "'dist-packages'))]))"], 30)
     parents = json.loads(text.strip().splitlines()[-1]) if code == 0 else []
     code, text = ctx.run([str(vpy), "-c", "import site; print(site.getsitepackages()[0])"], 30)
+    # addsitedir, not bare paths: the image's own .pth files (namespace packages, editable
+    # installs) are processed too
     (Path(text.strip().splitlines()[-1]) / "zz_image_packages.pth").write_text(
-        "\n".join(parents) + "\n")
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in parents))
     wheels = a.wheels or os.environ.get("ZEROTRAIN_WHEELS") or (
         str(ROOT / ".whl") if (ROOT / ".whl").is_dir() else None)
     source = (["--no-index", "--find-links", wheels] if wheels else
@@ -391,16 +395,15 @@ def section_setup(ctx: Ctx) -> None:
            "--no-cache-dir", "-q", "-c", str(ROOT / "constraints.txt")]
     code, text = ctx.run([*pip, *source, *missing], 150)
     how = f"from {wheels}" if wheels else "from the package index"
-    rep.add("setup", f"pip install {how}", "INFO" if code == 0 else "FAIL",
-            "done" if code == 0 else f"exit {code}: {last_line(text)}")
+    pip_said = "done" if code == 0 else f"exit {code}: {last_line(text)}"
+    rep.add("setup", f"pip install {how}", "INFO", pip_said)
     code, text = ctx.run([str(vpy), *check], 60)
     info = _json_line(text) or {"missing": missing}
     if info["missing"]:
         ctx.blocked = "missing " + ", ".join(info["missing"])
         rep.add("setup", "zerotrain's needs and pytest", "FAIL",
-                f"still missing: {', '.join(info['missing'])} "
-                + (f"(not in {wheels})" if wheels else "(no package index reached)")
-                + ". Run `bash bench/gpu_check.sh --fetch-wheels` where pip works and "
+                f"still missing: {', '.join(info['missing'])} (pip {how}: {pip_said[:200]})"
+                ". Run `bash bench/gpu_check.sh --fetch-wheels` where pip works and "
                 "bring .whl/ along (the device tool: carry ['.whl'])")
         return
     code, text = ctx.run([*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)], 90)
@@ -419,7 +422,7 @@ def section_probes(ctx: Ctx) -> None:
     out.mkdir(exist_ok=True)
     n = 2 if ctx.dry else 1  # gloo cannot send to itself: two CPU ranks stand in
     code, text = ctx.ranks(n, VERIFY / "probes.py", ["--out", str(out), *_dry(ctx)],
-                              CAPS["probes"])
+                              WHOLE)
     res = read_json(out / "probes.json")
     for r in (res or {}).get("rows", []):
         ctx.rep.add("probes", r["check"], r["status"], r["detail"])
@@ -440,7 +443,7 @@ def section_fp8(ctx: Ctx) -> None:
         ctx.rep.add("fp8", "FP8 path", "SKIP", f"sm_{cap[0]}{cap[1]}: needs sm_89+")
         return
     code, text = ctx.run([ctx.py, str(BENCH / "gpu_check_fp8.py"), "--out", str(ctx.work),
-                          *_dry(ctx)], CAPS["fp8"])
+                          *_dry(ctx)], WHOLE)
     r = read_json(ctx.work / "fp8.json")
     if not r or not r.get("ok"):
         if r and r.get("error"):
@@ -492,10 +495,12 @@ def section_race(ctx: Ctx) -> None:
 def section_init_mem(ctx: Ctx) -> None:
     out = ctx.work / "init_mem"
     out.mkdir(exist_ok=True)
-    n, preset = (2, "gpt-tiny") if ctx.dry else (ctx.args.init_ranks, ctx.args.preset)
-    code, text = ctx.ranks(n, VERIFY / "init_mem.py", ["--preset", preset, "--out",
-                                                            str(out), *_dry(ctx)],
-                              CAPS["init_mem"], {"OMP_NUM_THREADS": "2"})
+    n, preset, vocab = ((2, "gpt-tiny", 512) if ctx.dry else
+                        (ctx.args.init_ranks, ctx.args.preset, 32000))
+    code, text = ctx.ranks(n, VERIFY / "init_mem.py", ["--preset", preset, "--vocab",
+                                                       str(vocab), "--out", str(out),
+                                                       *_dry(ctx)],
+                              WHOLE, {"OMP_NUM_THREADS": "2"})
     res = read_json(out / "init_mem.json")
     if not res:
         failed(ctx, "init_mem", f"{n} ranks on one GPU over gloo", code, text)
@@ -524,7 +529,7 @@ def section_init_mem(ctx: Ctx) -> None:
 
 def section_pytest(ctx: Ctx) -> None:
     code, text = ctx.run([ctx.py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                          "tests/test_gpu.py"], CAPS["pytest"])
+                          "tests/test_gpu.py"], WHOLE)
     tail = last_line(text)
     if code == 124:
         failed(ctx, "pytest", "pytest -m gpu tests/test_gpu.py", code, text)
@@ -614,7 +619,7 @@ def section_stages(ctx: Ctx) -> None:
     if not (ref and ref.get("ok")):
         failed(ctx, "stages", "one-process reference", code, text)
         return
-    code, text = ctx.ranks(world, worker, ["stages", *common], CAPS["stages"])
+    code, text = ctx.ranks(world, worker, ["stages", *common], WHOLE)
     res = read_json(out / "stages.json") or _rank_failure(out, "stages")
     if not (res and res.get("ok")):
         if res and res.get("error"):
@@ -709,6 +714,12 @@ SECTIONS: dict[str, Callable[[Ctx], None]] = {
 NEEDS_ZEROTRAIN = set(ORDER) - {"env", "setup"}
 
 
+def _children_cpu() -> float:
+    """CPU seconds of every finished child so far (the dry run's cost on shared cores)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU ranks over gloo, tiny sizes")
@@ -739,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.data.update(host=socket.gethostname(), platform=platform.platform(), work=str(work))
     caps = DRY_CAPS if args.dry_run else CAPS
     for name in [s for s in ORDER if s in args.sections]:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), _children_cpu()
         left = rep.left()
         cap = min(caps[name], left)
         n_rows = len(rep.rows)
@@ -756,7 +767,8 @@ def main(argv: list[str] | None = None) -> int:
             if len(rep.rows) == n_rows:
                 rep.add(name, "section", "FAIL", "reported no result")
         rep.sections[name] = {"status": rep.section_status(name), "cap_s": round(cap),
-                              "seconds": round(time.monotonic() - t0, 1)}
+                              "seconds": round(time.monotonic() - t0, 1),
+                              "cpu_s": round(_children_cpu() - cpu0, 1)}
         rep.write()  # a result file even if the caller's own limit strikes later
     if "stages" not in args.sections and ctx.gpus < 2 and not args.dry_run:
         for check, why in NEEDS_TWO:

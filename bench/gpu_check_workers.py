@@ -108,7 +108,7 @@ def job_stages(args: argparse.Namespace) -> dict:
     runs = STAGES + ([RING] if info.world_size > 1 else [])
     precisions = ("fp32", "bf16")
     if args.dry_run:  # the script's test: a few of each kind
-        runs, precisions = [STAGES[0], STAGES[3], STAGES[4], *runs[len(STAGES):]], ("fp32",)
+        runs, precisions = [STAGES[3]], ("fp32",)
     if args.reference:  # one process: stage 0 is the reference for every row
         runs = STAGES[:1]
     out: dict = {}

@@ -29,6 +29,7 @@ import torch.distributed as dist
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args()
@@ -39,7 +40,7 @@ def main() -> None:
     from zerotrain.engine import Engine
     from zerotrain.models import build_model
 
-    cfg = build_config({"model": {"preset": a.preset, "vocab_size": 32000, "block_size": 256},
+    cfg = build_config({"model": {"preset": a.preset, "vocab_size": a.vocab, "block_size": 256},
                         "precision": {"dtype": "bf16"}, "zero": {"stage": 3},
                         "train": {"device": dev.type}})
     model = build_model(cfg.model, device="meta")
