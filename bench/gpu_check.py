@@ -15,7 +15,7 @@ Sections, in order (FP8 early, perf last):
             CUDA_LAUNCH_BLOCKING=1, bit for bit (bench/gpu_verify/offload_race.py)
   init_mem  ZeRO-3's CUDA init peak, 8 processes on the one GPU over gloo, vs its bound
             and the estimator (bench/gpu_verify/init_mem.py)
-  pytest    pytest -m gpu tests/test_gpu.py
+  pytest    pytest -m gpu tests/test_gpu.py tests/test_fp8.py
   cli       zerotrain train through the launcher (torchrun, NCCL), resume, sample
   stages    every stage at N GPUs against one process (N >= 2; one GPU: what it cannot test)
   perf      zerotrain ZeRO-3 vs FSDP2, both built on meta (bench/gpu_check_workers.py)
@@ -528,19 +528,20 @@ def section_init_mem(ctx: Ctx) -> None:
 
 
 def section_pytest(ctx: Ctx) -> None:
+    what = "pytest -m gpu tests/test_gpu.py tests/test_fp8.py"
     code, text = ctx.run([ctx.py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                          "tests/test_gpu.py"], WHOLE)
+                          "tests/test_gpu.py", "tests/test_fp8.py"], WHOLE)
     tail = last_line(text)
     if code == 124:
-        failed(ctx, "pytest", "pytest -m gpu tests/test_gpu.py", code, text)
+        failed(ctx, "pytest", what, code, text)
     elif ctx.dry:
         ok = code in (0, 5) and "skipped" in tail
-        ctx.rep.add("pytest", "pytest -m gpu tests/test_gpu.py", "SKIP" if ok else "FAIL",
+        ctx.rep.add("pytest", what, "SKIP" if ok else "FAIL",
                     f"CPU: every gpu-marked test skips ({tail})")
     else:
-        ctx.rep.add("pytest", "pytest -m gpu tests/test_gpu.py (every stage and Offload at "
-                    "N=1 vs CPU, pinned states, CLI sample + resume, --nproc N+1 error)",
-                    "PASS" if code == 0 else "FAIL", tail)
+        ctx.rep.add("pytest", f"{what}: every stage and Offload at N=1 vs CPU, pinned "
+                    "states, CLI sample + resume, --nproc N+1 is one error, _scaled_mm vs "
+                    "emulation", "PASS" if code == 0 else "FAIL", tail)
 
 
 # ----------------------------------------------------------------------------- cli
