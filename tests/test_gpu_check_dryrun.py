@@ -98,3 +98,52 @@ def test_missing_dependencies_are_one_clear_failure(tmp_path):
     assert "pydantic" in setup[-1]["detail"] and "--fetch-wheels" in setup[-1]["detail"]
     probes = [x for x in res["rows"] if x["section"] == "probes"]
     assert [x["status"] for x in probes] == ["SKIP"] and "pydantic" in probes[0]["detail"]
+
+
+def _ctx(gc, tmp_path, budget: float = 60):
+    import time
+
+    rep = gc.Report(tmp_path, budget, dry=True)
+    ctx = gc.Ctx(rep, gc.parse(["--out", str(tmp_path), "--dry-run"]), tmp_path)
+    ctx.deadline = time.monotonic() + budget
+    return ctx
+
+
+def test_a_hang_costs_its_command_only_children_included(tmp_path):
+    """At its cap a command is killed with its whole process group (torchrun's ranks, a
+    launcher's children), and the next command starts at once."""
+    import time
+
+    gc = _driver()
+    ctx = _ctx(gc, tmp_path)
+    pid_file = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    code, text = ctx.run(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], 2)
+    assert code == 124 and "killed after 2 s" in text
+    assert time.monotonic() - t0 < 15
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the grandchild went with its group
+        if not Path(f"/proc/{child}").exists() or \
+                Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"pid {child} survived its command's limit")
+    assert ctx.run(["bash", "-c", "echo next"], 5) == (0, "next\n")
+
+
+def test_a_failed_rank_ends_a_job_whose_peer_waits(tmp_path):
+    """One rank dies, its peer would wait in a collective forever: the job ends ~10 s
+    later with the failing rank's exit code, not at the section's cap."""
+    import time
+
+    gc = _driver()
+    ctx = _ctx(gc, tmp_path, budget=120)
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n    sys.exit(3)\n"
+                      "time.sleep(300)\n")
+    t0 = time.monotonic()
+    code, text = ctx.ranks(2, script, [], 120)
+    assert code == 3 and "[rank 1]" in text
+    assert time.monotonic() - t0 < 40

@@ -364,12 +364,15 @@ def p_n9(dev: torch.device) -> None:
     if dev.type != "cuda":
         row(name, "SKIP", "needs the CUDA runtime (cudaHostRegister); no CPU stand-in")
         return
-    n = 1 << 16
+    # 40 MiB: above glibc's largest dynamic mmap threshold (32 MiB), so every such block
+    # is its own mapping and a freed one's address comes back for the next (a smaller
+    # block would move to the heap after the first free and never reuse the address)
+    n = 10 << 20
     t = host_buffer(n, torch.float32, True)
     ptr = t.data_ptr()
     del t
     try:
-        for _ in range(64):
+        for _ in range(8):
             try:
                 u = host_buffer(n, torch.float32, True)
             except Exception as e:
