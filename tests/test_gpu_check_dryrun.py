@@ -147,3 +147,29 @@ def test_a_failed_rank_ends_a_job_whose_peer_waits(tmp_path):
     code, text = ctx.ranks(2, script, [], 120)
     assert code == 3 and "[rank 1]" in text
     assert time.monotonic() - t0 < 40
+
+
+def test_init_mem_rows_on_a_gpu(tmp_path):
+    """The GPU branch of init_mem's verdicts, fed a measured result: the review's bound
+    and N4 (the estimator's prediction) are judged per rank."""
+    gc = _driver()
+    ctx = _ctx(gc, tmp_path)
+    ctx.dry = False
+
+    def ranks(n, script, args, cap, extra_env=None):
+        out = Path(args[args.index("--out") + 1])
+        mk = [{"rank": r, "world": n, "params": 10, "init_s": 1.0, "peak_mib": peak,
+               "bound_mib": 900.0, "old_mib": 6000.0, "phase_init_mib": peak,
+               "predicted_init_mib": 700.0, "ok": peak <= 900.0}
+              for r, peak in enumerate([650.0, 800.0])]
+        (out / "init_mem.json").write_text(json.dumps(
+            {"ok": all(x["ok"] for x in mk), "measured": True, "ranks": mk}))
+        return 0, ""
+
+    ctx.ranks = ranks
+    gc.section_init_mem(ctx)
+    rows = {x["check"].split(" (")[0].split(":")[0]: x for x in ctx.rep.rows}
+    assert rows["ZeRO-3 CUDA init peak per rank"]["status"] == "PASS"
+    assert "max peak 800 MiB vs bound 900 MiB" in rows["ZeRO-3 CUDA init peak per rank"]["detail"]
+    n4 = rows["N4"]
+    assert n4["status"] == "REPRODUCED" and "1 of 2 ranks above it" in n4["detail"]
