@@ -517,7 +517,8 @@ def section_race(ctx: Ctx) -> None:
 def section_init_mem(ctx: Ctx) -> None:
     out = ctx.work / "init_mem"
     out.mkdir(exist_ok=True)
-    n, preset, vocab = ((2, "gpt-tiny", 512) if ctx.dry else
+    # the dry run: one CPU rank (the same per-rank path, a torch import less)
+    n, preset, vocab = ((1, "gpt-tiny", 512) if ctx.dry else
                         (ctx.args.init_ranks, ctx.args.preset, 32000))
     code, text = ctx.ranks(n, VERIFY / "init_mem.py", ["--preset", preset, "--vocab",
                                                        str(vocab), "--out", str(out),
