@@ -14,11 +14,14 @@ Sections, in order (FP8 early, perf last):
   race      Offload under delayed copies: normal / GPU sleeps before every async copy /
             CUDA_LAUNCH_BLOCKING=1, bit for bit (bench/gpu_verify/offload_race.py)
   init_mem  ZeRO-3's CUDA init peak, 8 processes on the one GPU over gloo, vs its bound
-            and the estimator (bench/gpu_verify/init_mem.py)
+            and the estimator's prediction (N4) (bench/gpu_verify/init_mem.py)
   pytest    pytest -m gpu tests/test_gpu.py tests/test_fp8.py
-  cli       zerotrain train through the launcher (torchrun, NCCL), resume, sample
+  cli       zerotrain train through the launcher (torchrun, NCCL) and sample from its
+            checkpoint
   stages    every stage at N GPUs against one process (N >= 2; one GPU: what it cannot test)
   perf      zerotrain ZeRO-3 vs FSDP2, both built on meta (bench/gpu_check_workers.py)
+Multi-rank jobs are started by this driver with the variables torchrun sets (one process
+less per job); the cli section goes through zerotrain's own launcher (torchrun).
 Results in --out: gpu_check.md (table), gpu_check.json, gpu_check.log (every command's
 output). Scratch (run folders, saved tensors) in --work.
 """

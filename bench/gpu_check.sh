@@ -15,6 +15,8 @@
 # venv (pip -c constraints.txt) from the package index, or offline from --wheels DIR /
 # $ZEROTRAIN_WHEELS / .whl. Where pip works, this fetches the wheels a GPU image lacks:
 #   bash bench/gpu_check.sh --fetch-wheels     (WHEEL_PY=3.12 by default)
+# On the device tool (one H200, no network), after --fetch-wheels here:
+#   run(command="bash bench/gpu_check.sh --budget 480", carry=[".whl"], timeout_s=570)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fetch-wheels" ]; then
