@@ -45,11 +45,12 @@ from zerotrain.memory import activation_bytes, activation_dtype_bytes
 from zerotrain.models import build_model, pretrained_weights, resolve_model_config
 from zerotrain.models.hf import has_weights as hf_has_weights
 from zerotrain.models.sampling import generate
-from zerotrain.report import Reporter, uniform_baseline
+from zerotrain.report import Reporter, phase_text, uniform_baseline
 from zerotrain.run_dir import (
     checkpoint_root,
     clear_run,
     explain_failed_load,
+    fits_run,
     new_run_id,
     resolve_resume,
 )
@@ -120,6 +121,7 @@ class Run:
     tokenizer: Tokenizer
 
     val_bpt: float = 1.0  # text bytes per validation target token
+    phases_said: bool = False  # the peak-memory line has been printed
 
     @property
     def global_tokens(self) -> int:
@@ -134,8 +136,44 @@ class Run:
             raise Diverged(f"the weights are not finite at step {eng.global_step}; not "
                            "saving them. Lower optimizer.lr (or use precision.dtype bf16) and "
                            f"resume from an earlier checkpoint in {self.ckpt_root}")
-        path = eng.save_checkpoint(self.ckpt_root)
-        return path
+        try:
+            return eng.save_checkpoint(self.ckpt_root)
+        except Exception as e:  # safetensors' SafetensorError is no OSError
+            if not _disk_full(e):
+                raise
+            raise CheckpointError(_disk_full_text(self, e)) from None
+
+
+def _disk_full(e: BaseException) -> bool:
+    import errno
+
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        s in str(e) for s in ("No space left on device", "Disk quota exceeded"))
+
+
+def _disk_full_text(run: Run, e: BaseException) -> str:
+    """'no space left ...' naming the folder, the bytes wanted and free, and what is safe."""
+    import shutil
+
+    def nbytes(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, dict):
+            return sum(nbytes(v) for v in x.values())
+        return sum(nbytes(v) for v in x) if isinstance(x, (list, tuple)) else 0
+
+    root, step = run.ckpt_root, run.engine.global_step
+    try:
+        free = f"{shutil.disk_usage(root).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    latest = root / "latest"
+    kept = (f"the last complete checkpoint, {latest.read_text().strip()}, is intact"
+            if latest.is_file() else "no earlier checkpoint exists")
+    what = "disk quota exceeded" if "quota" in str(e).lower() else "no space left on device"
+    return (f"{what} while saving the step-{step} checkpoint in '{root}' (this rank writes "
+            f"about {nbytes(run.engine.state_dict()):,} bytes; {free}); {kept}. Free some "
+            "space or set checkpoint.dir to another disk, then continue with --resume")
 
 
 @dataclass
@@ -217,6 +255,9 @@ def setup(cfg: Config, resume: str | None) -> Run:
     barrier()
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
+    if src is None and resume == "auto":
+        lines.append(f"[zerotrain] --resume auto: no complete checkpoint in "
+                     f"{checkpoint_root(cfg)}; starting a new run")
     for line in [data.summary, *lines]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
@@ -232,7 +273,7 @@ def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
     try:
         path, _ = engine.load_checkpoint(src, reset_optimizer=cfg.checkpoint.reset_optimizer)
     except CheckpointError as e:
-        raise explain_failed_load(src, e) from None
+        raise explain_failed_load(src, e, fits_run(engine, cfg)) from None
     info = engine.last_load
     engine.run_id = info.meta.get("run_id") or engine.run_id
     lines = [f"[zerotrain] resumed from {path} at step {engine.global_step}"
@@ -290,13 +331,10 @@ def _phase_line(run: Run) -> None:
     ph = eng.memory_phases(acts)
     run.report.record({"type": "memory_phases", "step": eng.global_step,
                        "activations_modelled": modelled, **ph})
-    mib = 2**20
-    # the activation formula is the reference GPT's: other families' predictions leave
-    # activations out, and the line says so rather than print a confident wrong number
-    what = "predicted" if modelled else "predicted without activations"
-    run.report.say(f"[zerotrain] peak memory per phase above start, MiB (measured / {what}): "
-                   + ", ".join(f"{k} {v / mib:.1f} / {ph['predicted'][k] / mib:.1f}"
-                               for k, v in ph["measured"].items()))
+    # said once: after the first steps, or at the end of a run that never got there
+    if not run.phases_said:
+        run.phases_said = True
+        run.report.say(phase_text(ph, modelled, eng.device.type == "cpu"))
 
 
 def _log_step(run: Run, sinfo: StepInfo, loss: torch.Tensor, dt: float) -> float:
@@ -370,7 +408,7 @@ def _train(run: Run) -> dict[str, Any]:
         first_val = _validate(run, 0)
     t_start = time.perf_counter()
     steps_run, loss_avg = 0, float("nan")
-    with Preemption() as preemption:
+    with Preemption() as preemption, report.bar_closed_on_error():
         watch = _Watch(run, preemption)
         while eng.global_step < cfg.train.steps:
             sinfo, loss, dt = train_step(run)
