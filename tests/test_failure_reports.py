@@ -160,6 +160,46 @@ def test_a_second_ctrl_c_aborts_a_step_that_never_ends(tmp_path):
     assert lines[1].startswith("zerotrain: aborted by a second Ctrl-C without saving"), err
 
 
+@pytest.mark.slow
+def test_an_error_starts_on_its_own_line_below_the_bar(tmp_path):
+    """On a terminal the bar's line has no newline until the bar closes; an error raised
+    mid-run used to be glued to it (`...skip=2]zerotrain train: error: ...`)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 20)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+    args = [sys.executable, "-m", "zerotrain", "train", "--model.n_layer", "1",
+            "--model.n_embd", "32", "--model.n_head", "2", "--model.block_size", "32",
+            "--data.path", str(corpus), "--logging.run_dir", str(tmp_path / "run"),
+            "--optimizer.name", "sgd", "--optimizer.lr", "1e6", "--optimizer.grad_clip", "0",
+            "--optimizer.weight_decay", "0", "--train.max_skipped_steps", "2",
+            "--schedule.warmup_steps", "0", "--train.steps", "40", "--logging.log_every", "1",
+            "--logging.eval_every", "0", "--checkpoint.every", "0", "--train.threads", "1"]
+    p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert p.wait(60) == 2, out[-2000:]
+    text = out.decode(errors="replace")
+    assert "%|" in text  # a bar was drawn
+    i = text.index("zerotrain train: error: 2 optimizer steps in a row")
+    assert text[:i].endswith("\n"), repr(text[i - 200:i + 40])
+
+
 # ----------------------------------------------------------------- one process
 def _cfg(tmp_path, steps: int, **extra):
     return run_config(tmp_path, "run", steps, layers=1, **extra)
