@@ -81,6 +81,8 @@ class Preemption:
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"{tty}zerotrain: aborted by a second {what} without saving; --resume "
               "continues from the last complete checkpoint", file=sys.stderr, flush=True)
+        if self._socks is None:  # the main thread's handler (a notebook): raise there
+            raise KeyboardInterrupt
         os._exit(128 + signum)
 
     def _watch(self, sock: socket.socket) -> None:
@@ -100,6 +102,8 @@ class Preemption:
             return self  # signals belong to the main thread: leave them alone
         for s in self.SIGNALS:
             self._old[s] = signal.signal(s, self._handler)
+        if "ipykernel" in sys.modules or hasattr(sys, "ps1"):
+            return self  # interactive: a second Ctrl-C interrupts, never ends the kernel
         try:
             r, w = socket.socketpair()
             w.setblocking(False)

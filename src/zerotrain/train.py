@@ -255,9 +255,10 @@ def setup(cfg: Config, resume: str | None) -> Run:
     barrier()
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
-    if src is None and resume == "auto":
-        lines.append(f"[zerotrain] --resume auto: no complete checkpoint in "
-                     f"{checkpoint_root(cfg)}; starting a new run")
+    if src is None and resume == "auto":  # say so: the user may have expected a resume
+        why = f"restart {restart_count()}" if restart_count() else "--resume auto"
+        lines.append(f"[zerotrain] {why}: no complete checkpoint in {checkpoint_root(cfg)}; "
+                     "starting a new run from step 0")
     for line in [data.summary, *lines]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
