@@ -212,6 +212,7 @@ def test_the_recovery_hint_only_names_a_checkpoint_that_loads(tmp_path, capsys):
     out = capsys.readouterr()
     assert "--resume auto: no complete checkpoint" in out.out + out.err
     assert "starting a new run" in out.out + out.err
+    assert (out.out + out.err).count("peak memory per phase") == 1  # not again at the end
     # stderr is no terminal here: plain progress lines, no bar redraws
     assert "\r" not in out.err and "step 4/4: loss " in out.err
     with pytest.raises(CheckpointError) as e:

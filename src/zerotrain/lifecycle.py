@@ -8,6 +8,8 @@
   `kill -9` of the launcher never leaves ranks training on their own.
 - `maybe_inject_fault()`: `train.fault.{rank,step}` kills that rank at that step (first
   attempt only), to test and demonstrate `--max-restarts`.
+- `disk_full_error()`: a full disk at a save is one line naming the folder, the bytes
+  wanted and free, and the checkpoint that is still intact (not a SafetensorError).
 """
 
 from __future__ import annotations
@@ -18,14 +20,20 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
+import torch
+
+from zerotrain.checkpoint import CheckpointError
 from zerotrain.comm.launch import EXIT_INTERRUPTED
 from zerotrain.config import FaultConfig  # EX_TEMPFAIL: try again later
 
 _PR_SET_PDEATHSIG = 1
 __all__ = ["EXIT_INTERRUPTED", "Interrupted", "Preemption", "die_with_parent",
-           "maybe_inject_fault", "restart_count"]
+           "disk_full", "disk_full_error", "maybe_inject_fault", "restart_count",
+           "tensor_bytes"]
 
 
 class Interrupted(Exception):
@@ -147,3 +155,41 @@ def maybe_inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
 def restart_count() -> int:
     """How many times torchrun's elastic agent has restarted this job's ranks."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def disk_full(e: BaseException) -> bool:
+    """Is this a full disk or an exhausted quota (as OSError, or safetensors' own error)?"""
+    import errno
+
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        s in str(e) for s in ("No space left on device", "Disk quota exceeded"))
+
+
+def tensor_bytes(x: Any) -> int:
+    """Bytes of every tensor in a nested state dict."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, dict):
+        return sum(tensor_bytes(v) for v in x.values())
+    return sum(tensor_bytes(v) for v in x) if isinstance(x, (list, tuple)) else 0
+
+
+def disk_full_error(e: BaseException, root: Path, step: int, wanted: int) -> CheckpointError:
+    """One line for a save that found the disk full: where, how much, what is still safe
+    (`latest` moves only after a complete save, so it names an intact checkpoint)."""
+    import shutil
+
+    try:
+        free = f"{shutil.disk_usage(root).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    latest = root / "latest"
+    try:
+        kept = f"the last complete checkpoint, {latest.read_text().strip()}, is intact"
+    except OSError:
+        kept = "no earlier checkpoint exists"
+    what = "disk quota exceeded" if "quota" in str(e).lower() else "no space left on device"
+    return CheckpointError(
+        f"{what} while saving the step-{step} checkpoint in '{root}' (this rank writes "
+        f"about {wanted:,} bytes; {free}); {kept}. Free some space or set checkpoint.dir "
+        "to another disk, then continue with --resume")

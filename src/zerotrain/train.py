@@ -40,7 +40,15 @@ from zerotrain.data.sampler import WindowSampler, eval_batches, to_device
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
 from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
 from zerotrain.fit import diagnose
-from zerotrain.lifecycle import Interrupted, Preemption, maybe_inject_fault, restart_count
+from zerotrain.lifecycle import (
+    Interrupted,
+    Preemption,
+    disk_full,
+    disk_full_error,
+    maybe_inject_fault,
+    restart_count,
+    tensor_bytes,
+)
 from zerotrain.memory import activation_bytes, activation_dtype_bytes
 from zerotrain.models import build_model, pretrained_weights, resolve_model_config
 from zerotrain.models.hf import has_weights as hf_has_weights
@@ -139,41 +147,10 @@ class Run:
         try:
             return eng.save_checkpoint(self.ckpt_root)
         except Exception as e:  # safetensors' SafetensorError is no OSError
-            if not _disk_full(e):
+            if not disk_full(e):
                 raise
-            raise CheckpointError(_disk_full_text(self, e)) from None
-
-
-def _disk_full(e: BaseException) -> bool:
-    import errno
-
-    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
-        s in str(e) for s in ("No space left on device", "Disk quota exceeded"))
-
-
-def _disk_full_text(run: Run, e: BaseException) -> str:
-    """'no space left ...' naming the folder, the bytes wanted and free, and what is safe."""
-    import shutil
-
-    def nbytes(x: Any) -> int:
-        if isinstance(x, torch.Tensor):
-            return x.numel() * x.element_size()
-        if isinstance(x, dict):
-            return sum(nbytes(v) for v in x.values())
-        return sum(nbytes(v) for v in x) if isinstance(x, (list, tuple)) else 0
-
-    root, step = run.ckpt_root, run.engine.global_step
-    try:
-        free = f"{shutil.disk_usage(root).free:,} bytes free"
-    except OSError:
-        free = "free space unknown"
-    latest = root / "latest"
-    kept = (f"the last complete checkpoint, {latest.read_text().strip()}, is intact"
-            if latest.is_file() else "no earlier checkpoint exists")
-    what = "disk quota exceeded" if "quota" in str(e).lower() else "no space left on device"
-    return (f"{what} while saving the step-{step} checkpoint in '{root}' (this rank writes "
-            f"about {nbytes(run.engine.state_dict()):,} bytes; {free}); {kept}. Free some "
-            "space or set checkpoint.dir to another disk, then continue with --resume")
+            raise disk_full_error(e, self.ckpt_root, eng.global_step,
+                                  tensor_bytes(eng.state_dict())) from None
 
 
 @dataclass
