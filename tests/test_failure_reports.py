@@ -200,6 +200,33 @@ def test_an_error_starts_on_its_own_line_below_the_bar(tmp_path):
     assert text[:i].endswith("\n"), repr(text[i - 200:i + 40])
 
 
+@pytest.mark.slow
+def test_a_second_ctrl_c_to_the_launcher_aborts_ranks_that_do_not_stop():
+    code = ("from zerotrain.comm.launch import launch_local; import sys; "
+            "sys.exit(launch_local(2, [], module='stuck_rank'))")
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # both ranks up (they ignore SIGINT from the start)
+        p.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert p.poll() is None  # the ranks were asked to save and stop; they take time
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = p.stderr.read()
+    assert p.returncode == 130, err
+    assert "press Ctrl-C again to abort without saving" in err
+    assert err.strip().splitlines()[-1].startswith(
+        "zerotrain: aborted by a second Ctrl-C: the ranks were stopped without saving"), err
+    assert "Traceback" not in err
+
+
 # ----------------------------------------------------------------- one process
 def _cfg(tmp_path, steps: int, **extra):
     return run_config(tmp_path, "run", steps, layers=1, **extra)
