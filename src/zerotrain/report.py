@@ -31,8 +31,10 @@ class Reporter:
         # every configured backend (jsonl, csv, TensorBoard, W&B); nothing off rank 0
         self.log = make_trackers(cfg, run_dir, rank, resume_step)
         self.bar = None
-        # a log file gets a plain line now and then instead of a bar's \r redraws
-        self.lines = self.enabled and cfg.logging.progress and not sys.stderr.isatty()
+        # a log file gets a plain line now and then instead of a bar's \r redraws (a
+        # notebook's output is no terminal either, but it draws \r the way one does)
+        redraws = sys.stderr.isatty() or "ipykernel" in sys.modules
+        self.lines = self.enabled and cfg.logging.progress and not redraws
         self._last_line = -math.inf
         if self.enabled and cfg.logging.progress and not self.lines:
             from tqdm import tqdm
