@@ -6,7 +6,9 @@
 - `--resume` takes the folder's latest checkpoint (or a given path); `--resume auto`
   resumes when a complete checkpoint exists and starts afresh otherwise — what a
   preemptible job script runs every time, and what restarted ranks do.
-- A checkpoint that does not load is named, with the newest older one that still does.
+- A checkpoint that does not load is named, with the newest older one that really loads
+  into this run (same model, compatible optimizer, files intact), or, for another model,
+  the settings that differ.
 
 These checks need no model, so the launcher runs them before any rank starts.
 """
@@ -17,6 +19,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 from zerotrain.checkpoint import CheckpointError, resolve
 from zerotrain.checkpoint.io import complete_checkpoints, read_meta, verify
@@ -103,28 +106,93 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def loadable_fallback(src: Path, bad: Path | None) -> Path | None:
-    """The newest complete checkpoint beside `src` other than `bad` whose files verify."""
+#: settings that decide a checkpoint's tensor names and shapes (what `check_model` holds
+#: a resume to); a model mismatch names the ones that differ — the chosen ones when any
+#: differ, else those that follow from them (a family's defaults, the tokenizer's size)
+SHAPE_SETTINGS = ("model.arch", "model.preset", "model.hf", "model.n_layer", "model.n_head",
+                  "model.n_kv_head", "model.n_embd", "model.block_size", "model.mlp_ratio",
+                  "data.tokenizer")
+DERIVED_SHAPE_SETTINGS = ("model.intermediate_size", "model.vocab_size", "model.bias",
+                          "model.tie_weights")
+
+
+class RunFit:
+    """Whether a checkpoint (its meta.json) can load into this run: the same tensors
+    (names, shapes) and a compatible optimizer — the checks a resume makes before it
+    reads a tensor. No collectives, no tensor reads."""
+
+    def __init__(self, layout: dict[str, Any], optimizer: str, reset_optimizer: bool,
+                 config: dict[str, Any]):
+        self.layout, self.optimizer, self.reset = layout, optimizer, reset_optimizer
+        self.config = config
+
+    def check(self, meta: dict[str, Any]) -> None:
+        """Raises CheckpointError when the checkpoint does not fit this run."""
+        from zerotrain.checkpoint.state import check_model, check_optimizer
+
+        check_model(meta["layout"], self.layout)
+        check_optimizer(meta, self.optimizer, self.reset)
+
+    def shape_differences(self, meta: dict[str, Any]) -> list[str]:
+        """'model.n_embd 32 (this run: 64)' for each shape setting that differs."""
+        saved = meta.get("config", {})
+
+        def diff(keys: tuple[str, ...]) -> list[str]:
+            out = []
+            for key in keys:
+                section, name = key.split(".")
+                mine = saved.get(section, {})
+                if name in mine and mine[name] != self.config.get(section, {}).get(name):
+                    out.append(f"{key} {mine[name]} (this run: "
+                               f"{self.config[section][name]})")
+            return out
+
+        return diff(SHAPE_SETTINGS) or diff(DERIVED_SHAPE_SETTINGS)
+
+
+def fits_run(engine: Any, cfg: Config) -> RunFit:
+    """This run's `RunFit`, from its engine (built, not yet loaded) and config."""
+    return RunFit(engine.strategy.layout(), cfg.optimizer.name, cfg.checkpoint.reset_optimizer,
+                  cfg.to_dict())
+
+
+def loadable_fallback(src: Path, bad: Path | None, fit: RunFit | None = None) -> Path | None:
+    """The newest complete checkpoint beside `src` other than `bad` whose files verify
+    and (given `fit`) that fits this run — one that really does load."""
     root = src if (src / "latest").exists() or not (src / "meta.json").exists() else src.parent
     for ckpt in reversed(complete_checkpoints(root)):
         if bad is not None and ckpt.resolve() == bad.resolve():
             continue
         try:
             meta = read_meta(ckpt)
+            if fit is not None:
+                fit.check(meta)
             verify(ckpt, meta, [f for f in ckpt.iterdir() if f.name != "meta.json"])
-        except CheckpointError:
+        except (CheckpointError, KeyError, TypeError):
             continue
         return ckpt
     return None
 
 
-def explain_failed_load(src: Path, error: CheckpointError) -> CheckpointError:
-    """The load error, plus which older checkpoint still loads (if one does)."""
+def explain_failed_load(src: Path, error: CheckpointError,
+                        fit: RunFit | None = None) -> CheckpointError:
+    """The load error, plus the way out: an older checkpoint that does load into this
+    run, if one does; for another model, the settings that differ."""
     try:
         bad = resolve(src)
     except CheckpointError:
         bad = None
-    older = loadable_fallback(src, bad)
-    hint = (f"; {older.name} still loads: resume from it with --resume {older}"
-            if older is not None else "")
+    older = loadable_fallback(src, bad, fit)
+    if older is not None:
+        return CheckpointError(f"{error}; {older.name} still loads: resume from it with "
+                               f"--resume {older}")
+    hint = ""
+    if fit is not None and bad is not None:
+        try:
+            diffs = fit.shape_differences(read_meta(bad))
+        except (CheckpointError, AttributeError):
+            diffs = []
+        if diffs:
+            hint = (f"; the checkpoint's model: {', '.join(diffs[:4])}: resume with its "
+                    "settings, or start a new run in another --logging.run_dir")
     return CheckpointError(f"{error}{hint}")

@@ -40,16 +40,25 @@ from zerotrain.data.sampler import WindowSampler, eval_batches, to_device
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte, token_byte_lengths
 from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
 from zerotrain.fit import diagnose
-from zerotrain.lifecycle import Interrupted, Preemption, maybe_inject_fault, restart_count
+from zerotrain.lifecycle import (
+    Interrupted,
+    Preemption,
+    disk_full,
+    disk_full_error,
+    maybe_inject_fault,
+    restart_count,
+    tensor_bytes,
+)
 from zerotrain.memory import activation_bytes, activation_dtype_bytes
 from zerotrain.models import build_model, pretrained_weights, resolve_model_config
 from zerotrain.models.hf import has_weights as hf_has_weights
 from zerotrain.models.sampling import generate
-from zerotrain.report import Reporter, uniform_baseline
+from zerotrain.report import Reporter, phase_text, uniform_baseline
 from zerotrain.run_dir import (
     checkpoint_root,
     clear_run,
     explain_failed_load,
+    fits_run,
     new_run_id,
     resolve_resume,
 )
@@ -120,6 +129,7 @@ class Run:
     tokenizer: Tokenizer
 
     val_bpt: float = 1.0  # text bytes per validation target token
+    phases_said: bool = False  # the peak-memory line has been printed
 
     @property
     def global_tokens(self) -> int:
@@ -134,8 +144,13 @@ class Run:
             raise Diverged(f"the weights are not finite at step {eng.global_step}; not "
                            "saving them. Lower optimizer.lr (or use precision.dtype bf16) and "
                            f"resume from an earlier checkpoint in {self.ckpt_root}")
-        path = eng.save_checkpoint(self.ckpt_root)
-        return path
+        try:
+            return eng.save_checkpoint(self.ckpt_root)
+        except Exception as e:  # safetensors' SafetensorError is no OSError
+            if not disk_full(e):
+                raise
+            raise disk_full_error(e, self.ckpt_root, eng.global_step,
+                                  tensor_bytes(eng.state_dict())) from None
 
 
 @dataclass
@@ -217,6 +232,10 @@ def setup(cfg: Config, resume: str | None) -> Run:
     barrier()
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
+    if src is None and resume == "auto":  # say so: the user may have expected a resume
+        why = f"restart {restart_count()}" if restart_count() else "--resume auto"
+        lines.append(f"[zerotrain] {why}: no complete checkpoint in {checkpoint_root(cfg)}; "
+                     "starting a new run from step 0")
     for line in [data.summary, *lines]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
@@ -232,7 +251,7 @@ def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
     try:
         path, _ = engine.load_checkpoint(src, reset_optimizer=cfg.checkpoint.reset_optimizer)
     except CheckpointError as e:
-        raise explain_failed_load(src, e) from None
+        raise explain_failed_load(src, e, fits_run(engine, cfg)) from None
     info = engine.last_load
     engine.run_id = info.meta.get("run_id") or engine.run_id
     lines = [f"[zerotrain] resumed from {path} at step {engine.global_step}"
@@ -290,13 +309,10 @@ def _phase_line(run: Run) -> None:
     ph = eng.memory_phases(acts)
     run.report.record({"type": "memory_phases", "step": eng.global_step,
                        "activations_modelled": modelled, **ph})
-    mib = 2**20
-    # the activation formula is the reference GPT's: other families' predictions leave
-    # activations out, and the line says so rather than print a confident wrong number
-    what = "predicted" if modelled else "predicted without activations"
-    run.report.say(f"[zerotrain] peak memory per phase above start, MiB (measured / {what}): "
-                   + ", ".join(f"{k} {v / mib:.1f} / {ph['predicted'][k] / mib:.1f}"
-                               for k, v in ph["measured"].items()))
+    # said once: after the first steps, or at the end of a run that never got there
+    if not run.phases_said:
+        run.phases_said = True
+        run.report.say(phase_text(ph, modelled, eng.device.type == "cpu"))
 
 
 def _log_step(run: Run, sinfo: StepInfo, loss: torch.Tensor, dt: float) -> float:
@@ -370,7 +386,7 @@ def _train(run: Run) -> dict[str, Any]:
         first_val = _validate(run, 0)
     t_start = time.perf_counter()
     steps_run, loss_avg = 0, float("nan")
-    with Preemption() as preemption:
+    with Preemption() as preemption, report.bar_closed_on_error():
         watch = _Watch(run, preemption)
         while eng.global_step < cfg.train.steps:
             sinfo, loss, dt = train_step(run)

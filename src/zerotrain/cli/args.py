@@ -119,12 +119,13 @@ def fail(name: str, message: object) -> int:
     (a file in ZEROTRAIN_ERROR_DIR), which prints it once for the job, not once per rank.
     """
     text = " ".join(str(message).split()) or type(message).__name__
-    line = f"{' '.join(['zerotrain', name]).strip()}: error: {text}"
-    where = os.environ.get("ZEROTRAIN_ERROR_DIR")
-    if where and "RANK" in os.environ:
-        Path(where, f"rank{int(os.environ['RANK'])}.txt").write_text(line)
-    else:
-        print(line, file=sys.stderr)
+    prog = " ".join(["zerotrain", name]).strip()
+    if os.environ.get("ZEROTRAIN_ERROR_DIR") and "RANK" in os.environ:
+        from zerotrain.comm.launch import hand_to_launcher
+
+        if hand_to_launcher("error", prog, text):
+            return 2
+    print(f"{prog}: error: {text}", file=sys.stderr)
     return 2
 
 
@@ -153,6 +154,11 @@ def command(name: str) -> Callable[[Main], Main]:
                     return EXIT_INTERRUPTED
                 if isinstance(e, user_errors()):
                     return fail(name, e)
+                if "RANK" in os.environ:  # a rank whose peer died: that peer is the story
+                    from zerotrain.comm.launch import peer_gone, torn_down
+
+                    if peer_gone(e):
+                        return torn_down(f"zerotrain {name}", e)
                 raise
 
         return run
