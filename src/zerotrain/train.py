@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from zerotrain.comm.dist import (
 from zerotrain.config import Config
 from zerotrain.data.dataset import (
     cached_shards,
+    clear_caches,
     describe,
     load_splits,
     needs_shards,
@@ -145,24 +146,46 @@ class Data:
     sampler: WindowSampler
     val_set: Batches
     summary: str = ""         # one line: files, bytes, tokens (rank 0)
+    notes: list[str] = field(default_factory=list)  # caches dropped or rebuilt (rank 0)
 
 
-def load_data(cfg: Config, rank: int, world: int) -> Data:
+#: set by the launcher once it has dropped the run folder's caches for
+#: --logging.overwrite, so that its ranks do not drop what it just rebuilt
+CACHES_DROPPED = "ZEROTRAIN_CACHES_DROPPED"
+
+
+def drops_caches(cfg: Config, src: Path | None) -> bool:
+    """Whether this start replaces the folder's run (--logging.overwrite, nothing
+    resumed) and must drop the data caches of the run it replaces."""
+    here = str(Path(cfg.logging.run_dir).resolve())
+    return src is None and cfg.logging.overwrite and os.environ.get(CACHES_DROPPED) != here
+
+
+def load_data(cfg: Config, rank: int, world: int, drop_caches: bool = False) -> Data:
     """Tokenizer, training sampler and this rank's validation batches; data errors raise
     here. A `bpe:N` tokenizer and the token shards of text inputs are made once, by rank
-    0, in the run folder, and reused by the other ranks and by resumed runs."""
+    0, in the run folder, and reused by the other ranks and by resumed runs (the shards
+    while the inputs' size and time stamps are unchanged); `drop_caches` (a run replacing
+    the folder's) removes both first."""
     d, run_dir = cfg.data, Path(cfg.logging.run_dir)
     if d.path is not None and not Path(d.path).expanduser().exists():
         raise DataError(f"data.path '{d.path}' does not exist; pass a text file, a folder, "
                         ".jsonl/.parquet, token shards or a .bin from `zerotrain prepare`")
-    tok, path = None, d.path
+    tok, path, notes = None, d.path, []
     for turn in (0, 1):  # rank 0 makes what is missing, then the others read it
         if (rank == 0) == (turn == 0):
+            if drop_caches and rank == 0:
+                notes += [f"[zerotrain] --logging.overwrite: removed {p}"
+                          for p in clear_caches(run_dir, d.path, d.tokenizer)]
             tok = resolve_tokenizer(d.tokenizer, d.path, run_dir, d.text_field)
             if needs_shards(d.path, tok):
-                path = cached_shards(d.path, tok, run_dir, d.text_field)
+                path = cached_shards(d.path, tok, run_dir, d.text_field, notes)
         patient_barrier()  # rank 0 may tokenize for longer than comm.timeout_s
     assert tok is not None
+    if d.tokenizer.startswith("bpe:") and tok.vocab_size != int(d.tokenizer[4:]):
+        notes.append(f"[zerotrain] data.tokenizer {d.tokenizer}: the corpus supplies only "
+                     f"{tok.vocab_size:,} tokens (no more pairs recur); the model's "
+                     "vocabulary follows the tokenizer")
     model_cfg = resolve_model_config(cfg.model, tokenizer_vocab=tok.vocab_size)
     cfg = cfg.model_copy(update={"model": model_cfg})
     train_src, val_src = load_splits(path, tok, d.val_fraction, d.text_field)
@@ -171,14 +194,19 @@ def load_data(cfg: Config, rank: int, world: int) -> Data:
     val = eval_batches(val_src, T, rank, world, d.micro_batch_size, cfg.logging.eval_batches)
     summary = (f"[zerotrain] data: {describe(path, tok)}; {sampler.n_windows:,} training "
                f"windows of {T + 1} tokens") if rank == 0 else ""
-    return Data(cfg, tok, sampler, val, summary)
+    return Data(cfg, tok, sampler, val, summary, notes if rank == 0 else [])
 
 
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
-    """What the launcher checks before starting ranks: devices, run folder and data."""
+    """What the launcher checks before starting ranks: devices, run folder and data
+    (made here once: the ranks then find the tokenizer and token shards ready)."""
     pick_device(cfg.train.device, 0, local_world=world)
-    resolve_resume(cfg, resume)
-    load_data(cfg, 0, world)
+    src = resolve_resume(cfg, resume)
+    data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
+    for line in data.notes:
+        print(line, flush=True)
+    if cfg.logging.overwrite:
+        os.environ[CACHES_DROPPED] = str(Path(cfg.logging.run_dir).resolve())
 
 
 def build(cfg: Config, device: torch.device) -> Engine:
@@ -204,7 +232,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if restart_count() > 0:  # restarted by the elastic agent: continue from the latest
         resume = "auto"
     src = resolve_resume(cfg, resume)  # the run folder's rules, before the model exists
-    data = load_data(cfg, info.rank, info.world_size)
+    data = load_data(cfg, info.rank, info.world_size, drop_caches=drops_caches(cfg, src))
     cfg = data.cfg
     engine = build(cfg, info.device)
     engine.extra_meta["tokenizer"] = data.tokenizer.describe()
@@ -217,7 +245,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     barrier()
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
-    for line in [data.summary, *lines]:
+    for line in [data.summary, *data.notes, *lines]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
               report, src is not None, data.tokenizer)

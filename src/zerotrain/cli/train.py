@@ -67,6 +67,8 @@ def _split_known(argv: list[str], flags: dict[str, bool]) -> tuple[dict, list[st
         tok = argv[i]
         name, eq, val = tok.partition("=")
         if name in flags:
+            if name in found:  # the last one silently winning hides a mistake
+                raise UsageError(f"{name} is given twice; give it once")
             if flags[name]:
                 if eq:
                     found[name] = val
@@ -148,6 +150,9 @@ def main_train(argv: list[str]) -> int:
     cfg = _load(opts, overrides, nproc)  # validate before launching
     resume = opts.get("--resume")
     resume = None if resume is None else str(resume)
+    if resume is not None and cfg.logging.overwrite:
+        raise UsageError("--resume continues the run in logging.run_dir, "
+                         "--logging.overwrite true replaces it; give one of them")
     from zerotrain.comm.dist import launched_by_torchrun
 
     if launched_by_torchrun():
@@ -155,12 +160,17 @@ def main_train(argv: list[str]) -> int:
 
         die_with_parent()
     elif nproc > 1 or restarts:
-        from zerotrain.comm.launch import launch_local
-        from zerotrain.train import check_before_launch
+        import os
 
-        check_before_launch(cfg, resume, nproc)  # one error now, not one per rank later
-        rest = _drop_flag(_drop_flag(argv, "--nproc"), "--max-restarts")
-        return launch_local(nproc, ["train", *rest], max_restarts=restarts)
+        from zerotrain.comm.launch import launch_local
+        from zerotrain.train import CACHES_DROPPED, check_before_launch
+
+        try:
+            check_before_launch(cfg, resume, nproc)  # one error now, not one per rank later
+            rest = _drop_flag(_drop_flag(argv, "--nproc"), "--max-restarts")
+            return launch_local(nproc, ["train", *rest], max_restarts=restarts)
+        finally:
+            os.environ.pop(CACHES_DROPPED, None)
     from zerotrain.train import train
 
     train(cfg, resume=resume)
