@@ -10,6 +10,7 @@ code; only rank 0 reports.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from zerotrain.checkpoint import CheckpointError
+from zerotrain.checkpoint.io import complete_checkpoints
 from zerotrain.comm.dist import (
     DistInfo,
     barrier,
@@ -28,6 +30,7 @@ from zerotrain.comm.dist import (
     shutdown,
 )
 from zerotrain.config import Config
+from zerotrain.config.training import DEFAULT_WARMUP
 from zerotrain.data.dataset import (
     cached_shards,
     clear_caches,
@@ -43,7 +46,12 @@ from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
 from zerotrain.fit import diagnose
 from zerotrain.lifecycle import Interrupted, Preemption, maybe_inject_fault, restart_count
 from zerotrain.memory import activation_bytes, activation_dtype_bytes
-from zerotrain.models import build_model, pretrained_weights, resolve_model_config
+from zerotrain.models import (
+    build_model,
+    check_weights,
+    pretrained_weights,
+    resolve_model_config,
+)
 from zerotrain.models.hf import has_weights as hf_has_weights
 from zerotrain.models.sampling import generate
 from zerotrain.report import Reporter, uniform_baseline
@@ -121,6 +129,7 @@ class Run:
     tokenizer: Tokenizer
 
     val_bpt: float = 1.0  # text bytes per validation target token
+    last_loss: torch.Tensor | None = None  # the latest step's mean loss (on the device)
 
     @property
     def global_tokens(self) -> int:
@@ -128,15 +137,35 @@ class Run:
         return (c.data.micro_batch_size * self.dist.world_size * c.data.grad_accum_steps
                 * c.model.block_size)
 
-    def save(self) -> Path:
-        """A checkpoint of the current step — never of non-finite weights."""
+    def save(self, val_loss: float | None = None) -> Path:
+        """A checkpoint of the current step — never of non-finite weights, nor of finite
+        ones whose loss (the latest step's, or `val_loss`) is not: a run that diverged in
+        its last train.max_skipped_steps steps ends here, not with a NaN checkpoint."""
         eng = self.engine
         if not eng.strategy.weights_finite():
             raise Diverged(f"the weights are not finite at step {eng.global_step}; not "
-                           "saving them. Lower optimizer.lr (or use precision.dtype bf16) and "
-                           f"resume from an earlier checkpoint in {self.ckpt_root}")
+                           f"saving them. Lower optimizer.lr (or use precision.dtype bf16) "
+                           f"and {self._earlier()}")
+        bad = val_loss is not None and not math.isfinite(val_loss)
+        if self.last_loss is not None:  # one flag for all ranks: all save, or none does
+            flag = float(not bool(torch.isfinite(self.last_loss)))
+            if self.dist.world_size > 1:
+                flag = float(eng.comm.all_reduce_scalars([flag], op="max")[0])
+            bad = bad or flag > 0
+        if bad:
+            what = (f"the validation loss is {val_loss}" if val_loss is not None
+                    and not math.isfinite(val_loss) else "the training loss is not finite")
+            raise Diverged(f"training diverged: {what} at step {eng.global_step}, so these "
+                           "weights were not saved. Lower optimizer.lr (or use precision."
+                           f"dtype bf16) and {self._earlier()}")
         path = eng.save_checkpoint(self.ckpt_root)
         return path
+
+    def _earlier(self) -> str:
+        done = complete_checkpoints(self.ckpt_root) if self.ckpt_root.is_dir() else []
+        if not done:
+            return "train again (no earlier checkpoint was saved)"
+        return f"resume from an earlier checkpoint ({done[-1]}) or train again"
 
 
 @dataclass
@@ -201,6 +230,7 @@ def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
     """What the launcher checks before starting ranks: devices, run folder and data
     (made here once: the ranks then find the tokenizer and token shards ready)."""
     pick_device(cfg.train.device, 0, local_world=world)
+    check_weights(cfg.model)
     src = resolve_resume(cfg, resume)
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
     for line in data.notes:
@@ -245,7 +275,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     barrier()
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
-    for line in [data.summary, *data.notes, *lines]:
+    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
               report, src is not None, data.tokenizer)
@@ -253,6 +283,16 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if info.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     return run
+
+
+def _default_notes(cfg: Config) -> list[str]:
+    """Defaults this run scaled to itself, said once so that nothing changes unseen."""
+    s = cfg.schedule
+    if "warmup_steps" not in s.model_fields_set and s.warmup_steps != DEFAULT_WARMUP:
+        return [f"[zerotrain] schedule.warmup_steps not set: {s.warmup_steps} (a tenth of "
+                f"this {cfg.train.steps}-step run; the default {DEFAULT_WARMUP} applies from "
+                f"{DEFAULT_WARMUP * 10} steps)"]
+    return []
 
 
 def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
@@ -356,8 +396,8 @@ class _Watch:
         if self.in_a_row >= cfg.train.max_skipped_steps:
             raise Diverged(f"{self.in_a_row} optimizer steps in a row had non-finite "
                            f"gradients (up to step {step}); training has diverged. Lower "
-                           "optimizer.lr, or resume from an earlier checkpoint in "
-                           f"{run.ckpt_root} (train.max_skipped_steps sets this limit)")
+                           f"optimizer.lr and {run._earlier()} (train.max_skipped_steps "
+                           "sets this limit)")
         maybe_inject_fault(cfg.train.fault, run.dist.rank, step)
         flag = float(self.preemption.requested)
         if run.dist.world_size > 1:  # every rank must stop at the same step boundary
@@ -402,6 +442,7 @@ def _train(run: Run) -> dict[str, Any]:
         watch = _Watch(run, preemption)
         while eng.global_step < cfg.train.steps:
             sinfo, loss, dt = train_step(run)
+            run.last_loss = loss
             steps_run += 1
             last = eng.global_step
             if last % cfg.logging.log_every == 0 or last == cfg.train.steps:
@@ -427,7 +468,7 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
             elapsed: float) -> dict[str, Any]:
     cfg, eng, report = run.cfg, run.engine, run.report
     final_val = _validate(run, eng.global_step)
-    ckpt = run.save()
+    ckpt = run.save(val_loss=final_val)
     _phase_line(run)
     sample = ""
     if cfg.logging.sample_tokens:

@@ -105,10 +105,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zerotrain.checkpoint.io import CheckpointError
     from zerotrain.config import ConfigError
     from zerotrain.data.corpus import DataError
+    from zerotrain.models.sampling import NonFiniteOutput
+    from zerotrain.models.weights import WeightError
     from zerotrain.numerics.scaler import LossScaleError
     from zerotrain.train import Diverged
 
-    return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged)
+    return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged,
+            NonFiniteOutput, WeightError)
 
 
 def fail(name: str, message: object) -> int:
