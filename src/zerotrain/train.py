@@ -497,7 +497,7 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     report.say(f"[zerotrain] validation loss {fv}{final_val:.4f} ({label.split(' (')[0]} = "
                f"{baseline:.4f}), {bits_per_byte(final_val, run.val_bpt):.4f} bits/byte; "
                f"{fit.gap_text()}; {steps_run} steps in {elapsed:.1f}s; checkpoint {ckpt}; "
-               f"metrics {run.run_dir / 'metrics.jsonl'}")
+               f"metrics {', '.join(report.log.where) or 'not written (logging.backends [])'}")
     report.say(fit.line())
     report.close()
     barrier()

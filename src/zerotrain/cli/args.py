@@ -145,7 +145,8 @@ def command(name: str) -> Callable[[Main], Main]:
             except UsageError as e:  # no import needed to recognise the common case
                 return fail(name, e)
             except KeyboardInterrupt:  # Ctrl-C outside the training loop: nothing to save
-                print(f"zerotrain {name}: interrupted", file=sys.stderr)
+                if int(os.environ.get("RANK", "0")) == 0:  # said once for a job, not per rank
+                    print(f"zerotrain {name}: interrupted", file=sys.stderr)
                 return 130
             except Exception as e:
                 from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted

@@ -12,7 +12,7 @@ from zerotrain.cli.args import Parser, UsageError, command
 
 # One line per config section, for `train --help` (a test keeps it equal to Config's).
 SECTIONS = {
-    "model": "size of the reference GPT",
+    "model": "family (gpt, llama, preset, Hugging Face folder), sizes, init weights",
     "data": "corpus, validation split, micro-batch and accumulation",
     "optimizer": "update rule and its hyperparameters, gradient clipping",
     "schedule": "learning rate: warmup, hold, decay, floor",
@@ -37,7 +37,8 @@ def _sections_text() -> str:
 
 
 def help_text() -> str:
-    p = Parser("train", "Train the reference GPT. Every config field can be overridden on "
+    p = Parser("train", "Train a language model (the reference GPT, llama, a preset or a "
+               "Hugging Face model). Every config field can be overridden on "
                "the command line, e.g. --optimizer.lr 3e-4 --zero.stage 2.",
                usage="zerotrain train [--config FILE] [--nproc N] [--resume [CKPT|auto]]\n"
                      "                       [--deepspeed FILE] [--max-restarts K] "
