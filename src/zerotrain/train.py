@@ -346,6 +346,31 @@ def _start_lines(run: Run) -> None:
         if v))
     if eng.strategy.muon is not None:  # distributed Muon: who updates which matrices
         run.report.say(f"[zerotrain] {eng.strategy.muon.describe()}")
+    if run.dist.device.type == "cpu":
+        warning = cpu_cost_warning(run.cfg, n_params)
+        if warning:
+            run.report.say(warning)
+
+
+#: what a CPU rank computes per second, roughly (a few cores of fp32 matmul)
+CPU_FLOPS = 1e11
+
+
+def cpu_cost_warning(cfg: Config, n_params: int) -> str | None:
+    """A warning when one step would take minutes on a CPU: the matmuls (6 FLOPs per
+    parameter per token) and attention, which grows with block_size² (12·L·h·s² per
+    sequence, forward and backward). Said before the first step, which may never end."""
+    m, d = cfg.model, cfg.data
+    seqs = d.micro_batch_size * d.grad_accum_steps
+    s, h, layers = m.block_size, m.n_embd or 0, m.n_layer or 0
+    flops = 6 * n_params * seqs * s + 12 * layers * h * seqs * s * s
+    seconds = flops / CPU_FLOPS
+    if seconds < 60:
+        return None
+    return (f"[zerotrain] warning: one step is about {flops:.1e} FLOPs on each rank "
+            f"(attention grows with model.block_size² = {s}²); at the ~{CPU_FLOPS:.0e} "
+            f"FLOP/s of a CPU that is about {seconds / 60:.0f} min per step; lower "
+            "model.block_size or data.micro_batch_size, or train on a GPU")
 
 
 def _phase_line(run: Run) -> None:

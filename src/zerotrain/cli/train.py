@@ -157,9 +157,16 @@ def main_train(argv: list[str]) -> int:
     from zerotrain.comm.dist import launched_by_torchrun
 
     if launched_by_torchrun():
+        import os
+        import sys
+
         from zerotrain.lifecycle import die_with_parent
 
         die_with_parent()
+        ignored = [f for f in ("--nproc", "--max-restarts") if f in opts]
+        if ignored and os.environ.get("RANK", "0") == "0":  # torchrun decides these here
+            print(f"zerotrain train: warning: {' and '.join(ignored)} ignored under torchrun; "
+                  "give torchrun its own --nproc-per-node / --max-restarts", file=sys.stderr)
     elif nproc > 1 or restarts:
         import os
 

@@ -146,8 +146,12 @@ def tokenizer_vocab(spec: str) -> int | None:
 
 def planned_model_config(model: ModelConfig, tokenizer: str = "bytes") -> ModelConfig:
     """The model a run will build (`resolve_model_config`), before any data is read: what
-    `estimate --model` counts and `config show` prints."""
-    return resolve_model_config(model, tokenizer_vocab=tokenizer_vocab(tokenizer))
+    `estimate --model` counts and `config show` prints. A model vocabulary smaller than
+    the tokenizer's is the run's error to report; here the model's own sizes stand."""
+    try:
+        return resolve_model_config(model, tokenizer_vocab=tokenizer_vocab(tokenizer))
+    except ConfigError:
+        return resolve_model_config(model)
 
 
 def count_params(cfg: ModelConfig) -> int:
