@@ -65,14 +65,19 @@ def train(capsys, run_dir: Path, data: Path, *extra: str) -> tuple[int, str, str
 # ----------------------------------------------------------------- BROKEN 1 / TRACEBACKS 9
 def test_divergence_in_the_last_steps_is_reported_and_nothing_is_saved(tmp_path, corpus,
                                                                        capsys):
-    # sgd at lr 1e6 turns the loss non-finite within a step or two: far fewer
-    # non-finite steps than train.max_skipped_steps (50) before the end at step 4
-    code, _, err = train(capsys, tmp_path / "r", corpus, "--optimizer.name", "sgd",
+    # sgd at lr 1e6 turns the loss non-finite within three steps: far fewer non-finite
+    # steps than train.max_skipped_steps (50) before the end at step 5
+    code, out, err = train(capsys, tmp_path / "r", corpus, "--optimizer.name", "sgd",
                            "--optimizer.lr", "1e6", "--optimizer.grad_clip", "0",
-                           "--optimizer.weight_decay", "0", "--train.steps", "4",
-                           "--schedule.warmup_steps", "0", "--logging.sample_tokens", "5")
+                           "--optimizer.weight_decay", "0", "--train.steps", "5",
+                           "--schedule.warmup_steps", "0", "--logging.sample_tokens", "5",
+                           "--checkpoint.every", "3", "--logging.log_every", "1")
     line = one_error(err, "train")
     assert code == 2 and "diverged" in line and "not saved" in line
+    losses = [json.loads(ln)["loss"] for ln in (tmp_path / "r" / "metrics.jsonl").open()
+              if '"train"' in ln]
+    assert len(losses) == 5 and not np.isfinite(losses[2])  # non-finite by step 3
+    assert "step 3: no checkpoint, the loss is not finite" in out
     assert not any((tmp_path / "r" / "checkpoints").glob("step_*"))  # no NaN checkpoint
 
 
@@ -402,3 +407,18 @@ def test_interrupted_is_said_once_per_job(monkeypatch, capsys):
     assert body([]) == 130 and "interrupted" in capsys.readouterr().err
     monkeypatch.delenv("RANK")
     assert os.environ.get("RANK") is None
+
+
+def test_launcher_flags_under_torchrun_are_said_to_be_ignored(monkeypatch, capsys):
+    import zerotrain.comm.dist as dist
+    import zerotrain.lifecycle as lifecycle
+    import zerotrain.train as train_mod
+
+    ran = []
+    monkeypatch.setattr(dist, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(lifecycle, "die_with_parent", lambda: None)
+    monkeypatch.setattr(train_mod, "train", lambda cfg, resume=None: ran.append(cfg))
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run(capsys, "train", "--max-restarts", "2", "--train.steps", "3")
+    assert code == 0 and len(ran) == 1
+    assert "--max-restarts ignored under torchrun" in err

@@ -13,6 +13,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,29 +139,38 @@ class Run:
         return (c.data.micro_batch_size * self.dist.world_size * c.data.grad_accum_steps
                 * c.model.block_size)
 
-    def save(self, val_loss: float | None = None) -> Path:
+    def save(self, val_loss: float | None = None, loss_ok: bool | None = None) -> Path:
         """A checkpoint of the current step — never of non-finite weights, nor of finite
-        ones whose loss (the latest step's, or `val_loss`) is not: a run that diverged in
-        its last train.max_skipped_steps steps ends here, not with a NaN checkpoint."""
+        ones whose loss is not (`val_loss` when given, else the latest step's; `loss_ok`
+        when the caller has checked): a run that diverged within its last
+        train.max_skipped_steps steps ends here, not with a NaN-producing checkpoint."""
         eng = self.engine
         if not eng.strategy.weights_finite():
             raise Diverged(f"the weights are not finite at step {eng.global_step}; not "
                            f"saving them. Lower optimizer.lr (or use precision.dtype bf16) "
                            f"and {self._earlier()}")
-        bad = val_loss is not None and not math.isfinite(val_loss)
-        if self.last_loss is not None:  # one flag for all ranks: all save, or none does
-            flag = float(not bool(torch.isfinite(self.last_loss)))
-            if self.dist.world_size > 1:
-                flag = float(eng.comm.all_reduce_scalars([flag], op="max")[0])
-            bad = bad or flag > 0
-        if bad:
-            what = (f"the validation loss is {val_loss}" if val_loss is not None
-                    and not math.isfinite(val_loss) else "the training loss is not finite")
+        if val_loss is not None:
+            loss_ok = math.isfinite(val_loss)
+        elif loss_ok is None:
+            loss_ok = self.loss_finite()
+        if not loss_ok:
+            what = ("the training loss is not finite" if val_loss is None
+                    else f"the validation loss is {val_loss}")
             raise Diverged(f"training diverged: {what} at step {eng.global_step}, so these "
                            "weights were not saved. Lower optimizer.lr (or use precision."
                            f"dtype bf16) and {self._earlier()}")
         path = eng.save_checkpoint(self.ckpt_root)
         return path
+
+    def loss_finite(self) -> bool:
+        """Whether the latest step's loss was finite on every rank (the same answer on
+        all of them: they save together or not at all)."""
+        if self.last_loss is None:
+            return True
+        flag = float(not bool(torch.isfinite(self.last_loss)))
+        if self.dist.world_size > 1:
+            flag = float(self.engine.comm.all_reduce_scalars([flag], op="max")[0])
+        return flag == 0
 
     def _earlier(self) -> str:
         done = complete_checkpoints(self.ckpt_root) if self.ckpt_root.is_dir() else []
@@ -235,8 +246,19 @@ def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
     for line in data.notes:
         print(line, flush=True)
+
+
+@contextmanager
+def launch_checked(cfg: Config, resume: str | None, world: int) -> Iterator[None]:
+    """`check_before_launch`, then launch the ranks inside: they learn (from the
+    environment) that the caches a --logging.overwrite drops are already dropped."""
+    check_before_launch(cfg, resume, world)
     if cfg.logging.overwrite:
         os.environ[CACHES_DROPPED] = str(Path(cfg.logging.run_dir).resolve())
+    try:
+        yield
+    finally:
+        os.environ.pop(CACHES_DROPPED, None)
 
 
 def build(cfg: Config, device: torch.device) -> Engine:
@@ -483,7 +505,13 @@ def _train(run: Run) -> dict[str, Any]:
                            f"{bits_per_byte(v, run.val_bpt):.4f} bits/byte")
             if cfg.checkpoint.every and last % cfg.checkpoint.every == 0 \
                     and last != cfg.train.steps:
-                report.say(f"[zerotrain] step {last}: checkpoint {run.save()}")
+                if run.loss_finite():
+                    report.say(f"[zerotrain] step {last}: checkpoint "
+                               f"{run.save(loss_ok=True)}")
+                else:  # weights that give a non-finite loss are no point to resume from
+                    report.say(f"[zerotrain] step {last}: no checkpoint, the loss is not "
+                               "finite (the spike guard or train.max_skipped_steps decides "
+                               "whether training goes on)")
     report.close_bar()
     elapsed = time.perf_counter() - t_start
     return _finish(run, first_val, loss_avg, steps_run, elapsed)

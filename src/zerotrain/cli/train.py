@@ -168,17 +168,12 @@ def main_train(argv: list[str]) -> int:
             print(f"zerotrain train: warning: {' and '.join(ignored)} ignored under torchrun; "
                   "give torchrun its own --nproc-per-node / --max-restarts", file=sys.stderr)
     elif nproc > 1 or restarts:
-        import os
-
         from zerotrain.comm.launch import launch_local
-        from zerotrain.train import CACHES_DROPPED, check_before_launch
+        from zerotrain.train import launch_checked
 
-        try:
-            check_before_launch(cfg, resume, nproc)  # one error now, not one per rank later
+        with launch_checked(cfg, resume, nproc):  # one error now, not one per rank later
             rest = _drop_flag(_drop_flag(argv, "--nproc"), "--max-restarts")
             return launch_local(nproc, ["train", *rest], max_restarts=restarts)
-        finally:
-            os.environ.pop(CACHES_DROPPED, None)
     from zerotrain.train import train
 
     train(cfg, resume=resume)
