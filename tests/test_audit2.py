@@ -294,6 +294,12 @@ def test_seed_outside_the_generators_range_is_a_config_error():
     assert x.shape == (2, 8)
 
 
+@pytest.mark.parametrize("seed", ["-1", "99999999999999999999"])
+def test_sample_seed_outside_the_generators_range_is_one_line(seed, capsys):
+    code, _, err = run(capsys, "sample", "nowhere", "--seed", seed)
+    assert code == 2 and "--seed must be in 0..2^63-1" in one_error(err, "sample")
+
+
 # ----------------------------------------------------------------- TRACEBACKS 7 / MISLEADING 8
 def test_a_raw_byte_file_named_bin_is_refused(tmp_path, corpus, capsys):
     from zerotrain.data.corpus import load_tokens
