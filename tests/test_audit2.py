@@ -428,3 +428,20 @@ def test_launcher_flags_under_torchrun_are_said_to_be_ignored(monkeypatch, capsy
     code, _, err = run(capsys, "train", "--max-restarts", "2", "--train.steps", "3")
     assert code == 0 and len(ran) == 1
     assert "--max-restarts ignored under torchrun" in err
+
+
+def test_an_interrupted_rank_0_tells_the_launcher_it_saved(tmp_path, monkeypatch, capsys):
+    from zerotrain.cli.args import SAVED_MARKER, command
+    from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted
+
+    @command("demo")
+    def body(argv):
+        raise Interrupted(3, "ckpt/step_00000003")
+
+    monkeypatch.setenv("ZEROTRAIN_ERROR_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    assert body([]) == EXIT_INTERRUPTED and not (tmp_path / SAVED_MARKER).exists()
+    monkeypatch.setenv("RANK", "0")
+    assert body([]) == EXIT_INTERRUPTED
+    assert "step_00000003" in (tmp_path / SAVED_MARKER).read_text()
+    assert capsys.readouterr().err.count("interrupted at step 3") == 1
