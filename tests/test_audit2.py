@@ -124,6 +124,16 @@ def test_estimate_and_config_show_resolve_model_hf_and_llama_bpe(tmp_path, capsy
     code, out, _ = run(capsys, "config", "show", "--config", str(cfg), "--json")
     shown = json.loads(out)["model"]
     assert (shown["n_layer"], shown["n_embd"], shown["vocab_size"]) == (2, 32, 80)
+    # a tiny model's peak table (the CPU runtime's ~400 MB beside KB of states) keeps its
+    # columns: every row as wide as its header, every cell a number of the table's unit
+    code, out, _ = run(capsys, "estimate", "--model", str(cfg), "--gpus", "2", "--device",
+                       "cpu")
+    peak = out[out.index("predicted peak per rank"):].splitlines()
+    assert peak[0].endswith(", MB:")
+    assert all(len(row) == len(peak[1]) for row in peak[3:]) and len(peak) == 9
+    for row in peak[3:]:
+        cells = row.split("|")[1].split() + row.split("|")[2].split()
+        assert len(cells) == 5 and all(300 < float(c) < 1000 for c in cells)
     # the shipped llama config: a preset and a bpe:4096 tokenizer
     shipped = str(ROOT / "configs" / "llama-bpe.yaml")
     assert run(capsys, "estimate", "--model", shipped, "--gpus", "2")[0] == 0
