@@ -108,8 +108,9 @@ class RangeTest:
         self.smoothed.append(s)
         best = min(self.smoothed)
         if s > self.factor * best:
-            self.stop_reason = (f"the running average of the loss, {s:.4g} at lr {lr:.3g}, "
-                                f"exceeds {self.factor:g}x its lowest value {best:.4g}")
+            self.stop_reason = (f"the running (lagging) average of the loss, {s:.4g} at lr "
+                                f"{lr:.3g}, exceeds {self.factor:g}x its lowest value "
+                                f"{best:.4g}")
             return True
         return False
 
@@ -216,7 +217,10 @@ def _result(test: RangeTest, cfg: Config, start_lr: float, end_lr: float, steps:
     i, z = test.best_index(), test.zero_lag()
     return {
         "type": "lr_find", "start_lr": start_lr, "end_lr": end_lr, "steps": steps,
-        "steps_run": steps_run, "diverged": test.stop_reason is not None,
+        "steps_run": steps_run,
+        # a point pairs one step's lr with the loss measured at the next step, so the
+        # first step gives `initial_loss` and no point: points = steps_run - 1
+        "points": len(test.lrs), "diverged": test.stop_reason is not None,
         "stop_reason": test.stop_reason, "initial_loss": first_loss,
         "smoothing": SMOOTHING, "beta": test.beta, "divergence": DIVERGENCE,
         "rule": SUGGESTION,
@@ -244,8 +248,9 @@ def summary_lines(result: dict[str, Any], out_dir: Path) -> list[str]:
         last = r["lr_at_min"] == r["lrs"][len(r["smoothed"]) - 1]
         lines.append(
             f"{p} suggested peak lr {r['suggested_lr']:.3g} (configured optimizer.lr "
-            f"{r['configured_lr']:g}); valley floor: smoothed loss "
-            f"{r['min_smoothed_loss']:.4f} at lr {r['lr_at_min']:.3g}"
+            f"{r['configured_lr']:g}); valley floor of the lag-free smoothed curve "
+            f"(which also averages in the points after it): {r['min_smoothed_loss']:.4f} at "
+            f"lr {r['lr_at_min']:.3g}"
             + ("; the loss was still falling at the end of the ramp: raise --end-lr to see "
                "the valley" if last else ""))
         lines.append(f"{p} rule: {r['rule']}")

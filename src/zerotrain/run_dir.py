@@ -78,9 +78,12 @@ def resolve_resume(cfg: Config, resume: str | None) -> Path | None:
         return src
     found = holds_run(cfg)
     if found and not cfg.logging.overwrite:
+        # name the setting whose folder holds it: a shared checkpoint.dir, or the run folder
+        setting, where = (("checkpoint.dir", root) if cfg.checkpoint.dir is not None
+                          and found.startswith("checkpoint ") else ("logging.run_dir", run_dir))
         raise ConfigError(
-            f"logging.run_dir '{run_dir}' holds another run ({found}); continue it with "
-            "--resume, start elsewhere with a new --logging.run_dir, or replace it with "
+            f"{setting} '{where}' holds another run ({found}); continue it with "
+            f"--resume, start elsewhere with a new --{setting}, or replace it with "
             "--logging.overwrite true")
     return None
 

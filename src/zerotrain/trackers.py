@@ -195,8 +195,9 @@ class Trackers:
     curves.png; after a resume, starting with the jsonl history up to the resumed step).
     Empty, logging nothing, on ranks other than 0."""
 
-    def __init__(self, trackers: list[Tracker], keep: bool):
+    def __init__(self, trackers: list[Tracker], keep: bool, where: list[str] | None = None):
         self.trackers, self.keep = trackers, keep
+        self.where = where or []  # the files/folders written, for the run's last line
         self.records: list[dict[str, Any]] = [
             r for t in trackers if isinstance(t, JsonlTracker) for r in t.kept]
 
@@ -228,15 +229,20 @@ def make_trackers(cfg: Config, run_dir: str | Path, rank: int,
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     made: list[Tracker] = []
+    where: list[str] = []
     for b in backends:
         if b == "jsonl":
             made.append(JsonlTracker(run_dir / "metrics.jsonl", resume_step))
+            where.append(str(run_dir / "metrics.jsonl"))
         elif b == "csv":
             made.append(CsvTracker(run_dir, resume_step))
+            where.append(str(run_dir / "metrics-*.csv"))
         elif b == "tensorboard":
             made.append(TensorBoardTracker(run_dir / "tensorboard", resume_step))
+            where.append(str(run_dir / "tensorboard"))
         elif b == "wandb":
             made.append(WandbTracker(run_dir, cfg))
+            where.append(str(run_dir / "wandb"))
     if "jsonl" not in backends:  # a stale file would read as this run's
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    return Trackers(made, keep=True)
+    return Trackers(made, keep=True, where=where)

@@ -10,15 +10,19 @@ code; only rank 0 reports.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from zerotrain.checkpoint import CheckpointError
+from zerotrain.checkpoint.io import complete_checkpoints
 from zerotrain.comm.dist import (
     DistInfo,
     barrier,
@@ -28,8 +32,10 @@ from zerotrain.comm.dist import (
     shutdown,
 )
 from zerotrain.config import Config
+from zerotrain.config.training import DEFAULT_WARMUP
 from zerotrain.data.dataset import (
     cached_shards,
+    clear_caches,
     describe,
     load_splits,
     needs_shards,
@@ -50,7 +56,12 @@ from zerotrain.lifecycle import (
     tensor_bytes,
 )
 from zerotrain.memory import activation_bytes, activation_dtype_bytes
-from zerotrain.models import build_model, pretrained_weights, resolve_model_config
+from zerotrain.models import (
+    build_model,
+    check_weights,
+    pretrained_weights,
+    resolve_model_config,
+)
 from zerotrain.models.hf import has_weights as hf_has_weights
 from zerotrain.models.sampling import generate
 from zerotrain.report import Reporter, phase_text, uniform_baseline
@@ -130,6 +141,7 @@ class Run:
 
     val_bpt: float = 1.0  # text bytes per validation target token
     phases_said: bool = False  # the peak-memory line has been printed
+    last_loss: torch.Tensor | None = None  # the latest step's mean loss (on the device)
 
     @property
     def global_tokens(self) -> int:
@@ -137,13 +149,26 @@ class Run:
         return (c.data.micro_batch_size * self.dist.world_size * c.data.grad_accum_steps
                 * c.model.block_size)
 
-    def save(self) -> Path:
-        """A checkpoint of the current step — never of non-finite weights."""
+    def save(self, val_loss: float | None = None, loss_ok: bool | None = None) -> Path:
+        """A checkpoint of the current step — never of non-finite weights, nor of finite
+        ones whose loss is not (`val_loss` when given, else the latest step's; `loss_ok`
+        when the caller has checked): a run that diverged within its last
+        train.max_skipped_steps steps ends here, not with a NaN-producing checkpoint."""
         eng = self.engine
         if not eng.strategy.weights_finite():
             raise Diverged(f"the weights are not finite at step {eng.global_step}; not "
-                           "saving them. Lower optimizer.lr (or use precision.dtype bf16) and "
-                           f"resume from an earlier checkpoint in {self.ckpt_root}")
+                           f"saving them. Lower optimizer.lr (or use precision.dtype bf16) "
+                           f"and {self._earlier()}")
+        if val_loss is not None:
+            loss_ok = math.isfinite(val_loss)
+        elif loss_ok is None:
+            loss_ok = self.loss_finite()
+        if not loss_ok:
+            what = ("the training loss is not finite" if val_loss is None
+                    else f"the validation loss is {val_loss}")
+            raise Diverged(f"training diverged: {what} at step {eng.global_step}, so these "
+                           "weights were not saved. Lower optimizer.lr (or use precision."
+                           f"dtype bf16) and {self._earlier()}")
         try:
             return eng.save_checkpoint(self.ckpt_root)
         except Exception as e:  # safetensors' SafetensorError is no OSError
@@ -151,6 +176,22 @@ class Run:
                 raise
             raise disk_full_error(e, self.ckpt_root, eng.global_step,
                                   tensor_bytes(eng.state_dict())) from None
+
+    def loss_finite(self) -> bool:
+        """Whether the latest step's loss was finite on every rank (the same answer on
+        all of them: they save together or not at all)."""
+        if self.last_loss is None:
+            return True
+        flag = float(not bool(torch.isfinite(self.last_loss)))
+        if self.dist.world_size > 1:
+            flag = float(self.engine.comm.all_reduce_scalars([flag], op="max")[0])
+        return flag == 0
+
+    def _earlier(self) -> str:
+        done = complete_checkpoints(self.ckpt_root) if self.ckpt_root.is_dir() else []
+        if not done:
+            return "train again (no earlier checkpoint was saved)"
+        return f"resume from an earlier checkpoint ({done[-1]}) or train again"
 
 
 @dataclass
@@ -160,24 +201,46 @@ class Data:
     sampler: WindowSampler
     val_set: Batches
     summary: str = ""         # one line: files, bytes, tokens (rank 0)
+    notes: list[str] = field(default_factory=list)  # caches dropped or rebuilt (rank 0)
 
 
-def load_data(cfg: Config, rank: int, world: int) -> Data:
+#: set by the launcher once it has dropped the run folder's caches for
+#: --logging.overwrite, so that its ranks do not drop what it just rebuilt
+CACHES_DROPPED = "ZEROTRAIN_CACHES_DROPPED"
+
+
+def drops_caches(cfg: Config, src: Path | None) -> bool:
+    """Whether this start replaces the folder's run (--logging.overwrite, nothing
+    resumed) and must drop the data caches of the run it replaces."""
+    here = str(Path(cfg.logging.run_dir).resolve())
+    return src is None and cfg.logging.overwrite and os.environ.get(CACHES_DROPPED) != here
+
+
+def load_data(cfg: Config, rank: int, world: int, drop_caches: bool = False) -> Data:
     """Tokenizer, training sampler and this rank's validation batches; data errors raise
     here. A `bpe:N` tokenizer and the token shards of text inputs are made once, by rank
-    0, in the run folder, and reused by the other ranks and by resumed runs."""
+    0, in the run folder, and reused by the other ranks and by resumed runs (the shards
+    while the inputs' size and time stamps are unchanged); `drop_caches` (a run replacing
+    the folder's) removes both first."""
     d, run_dir = cfg.data, Path(cfg.logging.run_dir)
     if d.path is not None and not Path(d.path).expanduser().exists():
         raise DataError(f"data.path '{d.path}' does not exist; pass a text file, a folder, "
                         ".jsonl/.parquet, token shards or a .bin from `zerotrain prepare`")
-    tok, path = None, d.path
+    tok, path, notes = None, d.path, []
     for turn in (0, 1):  # rank 0 makes what is missing, then the others read it
         if (rank == 0) == (turn == 0):
+            if drop_caches and rank == 0:
+                notes += [f"[zerotrain] --logging.overwrite: removed {p}"
+                          for p in clear_caches(run_dir, d.path, d.tokenizer)]
             tok = resolve_tokenizer(d.tokenizer, d.path, run_dir, d.text_field)
             if needs_shards(d.path, tok):
-                path = cached_shards(d.path, tok, run_dir, d.text_field)
+                path = cached_shards(d.path, tok, run_dir, d.text_field, notes)
         patient_barrier()  # rank 0 may tokenize for longer than comm.timeout_s
     assert tok is not None
+    if d.tokenizer.startswith("bpe:") and tok.vocab_size != int(d.tokenizer[4:]):
+        notes.append(f"[zerotrain] data.tokenizer {d.tokenizer}: the corpus supplies only "
+                     f"{tok.vocab_size:,} tokens (no more pairs recur); the model's "
+                     "vocabulary follows the tokenizer")
     model_cfg = resolve_model_config(cfg.model, tokenizer_vocab=tok.vocab_size)
     cfg = cfg.model_copy(update={"model": model_cfg})
     train_src, val_src = load_splits(path, tok, d.val_fraction, d.text_field)
@@ -186,14 +249,31 @@ def load_data(cfg: Config, rank: int, world: int) -> Data:
     val = eval_batches(val_src, T, rank, world, d.micro_batch_size, cfg.logging.eval_batches)
     summary = (f"[zerotrain] data: {describe(path, tok)}; {sampler.n_windows:,} training "
                f"windows of {T + 1} tokens") if rank == 0 else ""
-    return Data(cfg, tok, sampler, val, summary)
+    return Data(cfg, tok, sampler, val, summary, notes if rank == 0 else [])
 
 
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
-    """What the launcher checks before starting ranks: devices, run folder and data."""
+    """What the launcher checks before starting ranks: devices, run folder and data
+    (made here once: the ranks then find the tokenizer and token shards ready)."""
     pick_device(cfg.train.device, 0, local_world=world)
-    resolve_resume(cfg, resume)
-    load_data(cfg, 0, world)
+    check_weights(cfg.model)
+    src = resolve_resume(cfg, resume)
+    data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
+    for line in data.notes:
+        print(line, flush=True)
+
+
+@contextmanager
+def launch_checked(cfg: Config, resume: str | None, world: int) -> Iterator[None]:
+    """`check_before_launch`, then launch the ranks inside: they learn (from the
+    environment) that the caches a --logging.overwrite drops are already dropped."""
+    check_before_launch(cfg, resume, world)
+    if cfg.logging.overwrite:
+        os.environ[CACHES_DROPPED] = str(Path(cfg.logging.run_dir).resolve())
+    try:
+        yield
+    finally:
+        os.environ.pop(CACHES_DROPPED, None)
 
 
 def build(cfg: Config, device: torch.device) -> Engine:
@@ -219,7 +299,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if restart_count() > 0:  # restarted by the elastic agent: continue from the latest
         resume = "auto"
     src = resolve_resume(cfg, resume)  # the run folder's rules, before the model exists
-    data = load_data(cfg, info.rank, info.world_size)
+    data = load_data(cfg, info.rank, info.world_size, drop_caches=drops_caches(cfg, src))
     cfg = data.cfg
     engine = build(cfg, info.device)
     engine.extra_meta["tokenizer"] = data.tokenizer.describe()
@@ -236,7 +316,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
         why = f"restart {restart_count()}" if restart_count() else "--resume auto"
         lines.append(f"[zerotrain] {why}: no complete checkpoint in {checkpoint_root(cfg)}; "
                      "starting a new run from step 0")
-    for line in [data.summary, *lines]:
+    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
               report, src is not None, data.tokenizer)
@@ -244,6 +324,16 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if info.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     return run
+
+
+def _default_notes(cfg: Config) -> list[str]:
+    """Defaults this run scaled to itself, said once so that nothing changes unseen."""
+    s = cfg.schedule
+    if "warmup_steps" not in s.model_fields_set and s.warmup_steps != DEFAULT_WARMUP:
+        return [f"[zerotrain] schedule.warmup_steps not set: {s.warmup_steps} (a tenth of "
+                f"this {cfg.train.steps}-step run; the default {DEFAULT_WARMUP} applies from "
+                f"{DEFAULT_WARMUP * 10} steps)"]
+    return []
 
 
 def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
@@ -297,6 +387,31 @@ def _start_lines(run: Run) -> None:
         if v))
     if eng.strategy.muon is not None:  # distributed Muon: who updates which matrices
         run.report.say(f"[zerotrain] {eng.strategy.muon.describe()}")
+    if run.dist.device.type == "cpu":
+        warning = cpu_cost_warning(run.cfg, n_params)
+        if warning:
+            run.report.say(warning)
+
+
+#: what a CPU rank computes per second, roughly (a few cores of fp32 matmul)
+CPU_FLOPS = 1e11
+
+
+def cpu_cost_warning(cfg: Config, n_params: int) -> str | None:
+    """A warning when one step would take minutes on a CPU: the matmuls (6 FLOPs per
+    parameter per token) and attention, which grows with block_size² (12·L·h·s² per
+    sequence, forward and backward). Said before the first step, which may never end."""
+    m, d = cfg.model, cfg.data
+    seqs = d.micro_batch_size * d.grad_accum_steps
+    s, h, layers = m.block_size, m.n_embd or 0, m.n_layer or 0
+    flops = 6 * n_params * seqs * s + 12 * layers * h * seqs * s * s
+    seconds = flops / CPU_FLOPS
+    if seconds < 60:
+        return None
+    return (f"[zerotrain] warning: one step is about {flops:.1e} FLOPs on each rank "
+            f"(attention grows with model.block_size² = {s}²); at the ~{CPU_FLOPS:.0e} "
+            f"FLOP/s of a CPU that is about {seconds / 60:.0f} min per step; lower "
+            "model.block_size or data.micro_batch_size, or train on a GPU")
 
 
 def _phase_line(run: Run) -> None:
@@ -344,8 +459,8 @@ class _Watch:
         if self.in_a_row >= cfg.train.max_skipped_steps:
             raise Diverged(f"{self.in_a_row} optimizer steps in a row had non-finite "
                            f"gradients (up to step {step}); training has diverged. Lower "
-                           "optimizer.lr, or resume from an earlier checkpoint in "
-                           f"{run.ckpt_root} (train.max_skipped_steps sets this limit)")
+                           f"optimizer.lr and {run._earlier()} (train.max_skipped_steps "
+                           "sets this limit)")
         maybe_inject_fault(cfg.train.fault, run.dist.rank, step)
         flag = float(self.preemption.requested)
         if run.dist.world_size > 1:  # every rank must stop at the same step boundary
@@ -390,6 +505,7 @@ def _train(run: Run) -> dict[str, Any]:
         watch = _Watch(run, preemption)
         while eng.global_step < cfg.train.steps:
             sinfo, loss, dt = train_step(run)
+            run.last_loss = loss
             steps_run += 1
             last = eng.global_step
             if last % cfg.logging.log_every == 0 or last == cfg.train.steps:
@@ -405,7 +521,13 @@ def _train(run: Run) -> dict[str, Any]:
                            f"{bits_per_byte(v, run.val_bpt):.4f} bits/byte")
             if cfg.checkpoint.every and last % cfg.checkpoint.every == 0 \
                     and last != cfg.train.steps:
-                report.say(f"[zerotrain] step {last}: checkpoint {run.save()}")
+                if run.loss_finite():
+                    report.say(f"[zerotrain] step {last}: checkpoint "
+                               f"{run.save(loss_ok=True)}")
+                else:  # weights that give a non-finite loss are no point to resume from
+                    report.say(f"[zerotrain] step {last}: no checkpoint, the loss is not "
+                               "finite (the spike guard or train.max_skipped_steps decides "
+                               "whether training goes on)")
     report.close_bar()
     elapsed = time.perf_counter() - t_start
     return _finish(run, first_val, loss_avg, steps_run, elapsed)
@@ -415,7 +537,7 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
             elapsed: float) -> dict[str, Any]:
     cfg, eng, report = run.cfg, run.engine, run.report
     final_val = _validate(run, eng.global_step)
-    ckpt = run.save()
+    ckpt = run.save(val_loss=final_val)
     _phase_line(run)
     sample = ""
     if cfg.logging.sample_tokens:
@@ -444,7 +566,7 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     report.say(f"[zerotrain] validation loss {fv}{final_val:.4f} ({label.split(' (')[0]} = "
                f"{baseline:.4f}), {bits_per_byte(final_val, run.val_bpt):.4f} bits/byte; "
                f"{fit.gap_text()}; {steps_run} steps in {elapsed:.1f}s; checkpoint {ckpt}; "
-               f"metrics {run.run_dir / 'metrics.jsonl'}")
+               f"metrics {', '.join(report.log.where) or 'not written (logging.backends [])'}")
     report.say(fit.line())
     report.close()
     barrier()

@@ -54,7 +54,7 @@ def resolve(path: str | Path) -> Path:
     if (p / "meta.json").is_file():
         return p
     if (p / "latest").is_file():
-        q = p / (p / "latest").read_text().strip()
+        q = p / read_latest(p)
         if (q / "meta.json").is_file():
             return q
         raise CheckpointError(f"'{p}/latest' names '{q.name}', which is incomplete or missing")
@@ -64,6 +64,23 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(f"'{p}' holds no checkpoint (no meta.json and no 'latest' file); "
                               "pass the checkpoint root or one of its step_* folders")
     raise CheckpointError(f"checkpoint '{p}' does not exist")
+
+
+def read_latest(root: Path) -> str:
+    """The step folder name in `root/latest`; a damaged file (not UTF-8, a path, a NUL)
+    is one CheckpointError naming the checkpoints that remain."""
+    raw = (root / "latest").read_bytes()
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        done = [c.name for c in complete_checkpoints(root)]
+        have = (f"complete checkpoints: {', '.join(done[-3:])}; resume one with --resume "
+                f"{root / done[-1]}" if done else "no complete checkpoint is left")
+        raise CheckpointError(f"'{root}/latest' is damaged (it names no step folder: "
+                              f"{raw[:40]!r}); {have}")
+    return name
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -197,7 +214,8 @@ def prune(root: Path, keep: int, run_id: str | None = None) -> None:
     """Keep this run's `keep` most recent checkpoints; never touch another run's."""
     mine = [p for p in complete_checkpoints(root)
             if run_id is None or read_json(p / "meta.json").get("run_id") == run_id]
-    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    latest = (root / "latest").read_bytes().decode("utf-8", "replace").strip() \
+        if (root / "latest").is_file() else None
     for p in mine[:-keep]:
         if p.name != latest:
             shutil.rmtree(p, ignore_errors=True)

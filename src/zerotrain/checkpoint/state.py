@@ -39,9 +39,11 @@ from zerotrain.zero.flat import gather_range
 
 #: Optimizer group options that say how to compute, not what: never compared.
 RUNTIME_OPTIONS = ("compiled",)
-#: Config fields whose change on resume alters the optimization (warned about).
+#: Config fields whose change on resume alters the optimization or the data trained on
+#: (warned about).
 WATCHED = ("optimizer", "schedule", "train.steps", "data.micro_batch_size",
-           "data.grad_accum_steps", "precision.dtype")
+           "data.grad_accum_steps", "precision.dtype", "data.path", "data.val_fraction",
+           "data.tokenizer", "data.text_field")
 
 
 @dataclass

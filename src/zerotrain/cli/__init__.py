@@ -37,7 +37,8 @@ COMMANDS: dict[str, Command] = {
         "prepare": ("prepare.main_prepare", "turn text into token shards for --data.path"),
         "tokenizer": ("tokenizer.main_tokenizer", "train a byte-level BPE tokenizer"),
         "sample": ("sample.main_sample", "generate text from a checkpoint"),
-        "export": ("export.main_export", "write a checkpoint's weights as one safetensors file"),
+        "export": ("export.main_export",
+                   "write a checkpoint's weights: one safetensors file or a HF folder"),
     }),
     **_table("See how each mechanism works:", {
         "float": ("floats.main_float", "how a number is stored in a float format, bit by bit"),

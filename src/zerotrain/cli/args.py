@@ -40,6 +40,11 @@ __all__ = [
 Main = Callable[[list[str]], int]
 
 
+#: written into ZEROTRAIN_ERROR_DIR by rank 0 once an interrupted run has saved, so the
+#: launcher can tell "interrupted, checkpoint saved" (75) from "interrupted" (130)
+SAVED_MARKER = "interrupted-saved.txt"
+
+
 class UsageError(Exception):
     """A mistake on the command line: reported as one line on stderr, exit status 2."""
 
@@ -105,10 +110,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zerotrain.checkpoint.io import CheckpointError
     from zerotrain.config import ConfigError
     from zerotrain.data.corpus import DataError
+    from zerotrain.models.sampling import NonFiniteOutput
+    from zerotrain.models.weights import WeightError
     from zerotrain.numerics.scaler import LossScaleError
     from zerotrain.train import Diverged
 
-    return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged)
+    return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged,
+            NonFiniteOutput, WeightError)
 
 
 def fail(name: str, message: object) -> int:
@@ -143,7 +151,8 @@ def command(name: str) -> Callable[[Main], Main]:
             except UsageError as e:  # no import needed to recognise the common case
                 return fail(name, e)
             except KeyboardInterrupt:  # Ctrl-C outside the training loop: nothing to save
-                print(f"zerotrain {name}: interrupted", file=sys.stderr)
+                if int(os.environ.get("RANK", "0")) == 0:  # said once for a job, not per rank
+                    print(f"zerotrain {name}: interrupted", file=sys.stderr)
                 return 130
             except Exception as e:
                 from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted
@@ -151,6 +160,9 @@ def command(name: str) -> Callable[[Main], Main]:
                 if isinstance(e, Interrupted):  # saved; rank 0 says so once
                     if int(os.environ.get("RANK", "0")) == 0:
                         print(f"zerotrain {name}: {e}", file=sys.stderr)
+                        where = os.environ.get("ZEROTRAIN_ERROR_DIR")
+                        if where and "RANK" in os.environ:  # tells the launcher: 75, not 130
+                            Path(where, SAVED_MARKER).write_text(str(e))
                     return EXIT_INTERRUPTED
                 if isinstance(e, user_errors()):
                     return fail(name, e)

@@ -42,10 +42,17 @@ def main_config(argv: list[str]) -> int:
         print(deepspeed_to_yaml(args.path, args.world_size, overrides or None).rstrip())
         return 0
     cfg = load_config(args.config, overrides)
+    from zerotrain.models.presets import planned_model_config
+
+    # the model as the run builds it: a preset's or model.hf's sizes, the tokenizer's vocab
+    cfg = cfg.model_copy(update={"model": planned_model_config(cfg.model, cfg.data.tokenizer)})
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
     else:
         import yaml
 
+        if cfg.data.tokenizer.startswith("bpe:"):
+            print(f"# model.vocab_size: at most {cfg.data.tokenizer[4:]}; a corpus with fewer "
+                  "recurring pairs gives a smaller bpe tokenizer, and the model follows it")
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     return 0

@@ -115,8 +115,11 @@ def training_refuses(optimizer: str, stage: int, offload: bool) -> str | None:
 def _load_model_config(args: argparse.Namespace) -> Config | None:
     if args.model:
         from zerotrain.config import load_config
+        from zerotrain.models.presets import planned_model_config
 
-        return load_config(args.model)
+        cfg = load_config(args.model)  # sizes of a preset / model.hf / the tokenizer's vocab
+        return cfg.model_copy(update={"model": planned_model_config(cfg.model,
+                                                                    cfg.data.tokenizer)})
     if args.micro_batch or args.seq or args.activation_checkpointing:
         raise UsageError("--micro-batch/--seq/--activation-checkpointing need --model "
                          "(activations depend on the model's shape)")

@@ -120,13 +120,19 @@ def _peak_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
     if not rows:
         return []
     p0 = rows[0]["peaks"]
+    # its own unit: a CPU rank's peaks include the torch runtime (hundreds of MB), which
+    # would overflow the columns in the KB of a tiny model's states
+    peaks = [v for r in rows for v in (r["peaks"]["init"], r["peaks"]["steady"],
+                                       *(x + r["peaks"]["baseline"]
+                                         for x in r["peaks"]["phases"].values()))]
+    unit = table_unit(peaks, binary="i" in unit[0])
     what = ("resident memory of a CPU rank: the torch runtime "
             f"{p0['baseline'] / unit[1]:.2f} {unit[0]} + model states + transients + "
             "allocator retention" if p0["device"] == "cpu" else
             "bytes the CUDA allocator holds (max_memory_allocated)")
     head = f"{'stage':<15}|{'init':>{_W}}{'steady':>{_W}} |" + "".join(
         f"{c:>{_W}}" for c in ("forward", "backward", "step"))
-    lines = ["", f"predicted peak per rank ({what}):", head, "-" * len(head)]
+    lines = ["", f"predicted peak per rank ({what}), {unit[0]}:", head, "-" * len(head)]
     for r in rows:
         ph = r["peaks"]["phases"]
         lines.append(f"{r['label']:<15}|{_fmt(r['peaks']['init'], unit[1])}"

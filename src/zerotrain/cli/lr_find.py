@@ -91,9 +91,9 @@ def main_lr_find(argv: list[str]) -> int:
         die_with_parent()
     elif nproc > 1:
         from zerotrain.comm.launch import launch_local
-        from zerotrain.train import check_before_launch
+        from zerotrain.train import launch_checked
 
-        check_before_launch(range_test_config(cfg, steps), None, nproc)
-        return launch_local(nproc, ["lr-find", *_drop_flag(argv, "--nproc")])
+        with launch_checked(range_test_config(cfg, steps), None, nproc):
+            return launch_local(nproc, ["lr-find", *_drop_flag(argv, "--nproc")])
     lr_find(cfg, start_lr=start, end_lr=end, steps=steps)
     return 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from zerotrain.cli.args import Parser, UsageError, command, rename_fields
@@ -22,11 +23,29 @@ def _parser() -> Parser:
                    help="bytes, a tokenizer.json, or a Hugging Face tokenizer folder")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="the text column of .jsonl and .parquet inputs")
-    p.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="N",
-                   help="tokens per shard")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--shard-tokens", type=_positive, default=1 << 27, metavar="N",
+                   help="tokens per shard (at least 1)")
+    p.add_argument("--workers", type=_non_negative, default=None, metavar="N",
                    help="tokenizing processes (default: none for bytes, else up to 4)")
     return p
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+    return n
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _whole(text, 0)
 
 
 @command("prepare")

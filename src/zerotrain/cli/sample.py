@@ -36,6 +36,8 @@ def _checked(argv: list[str]) -> tuple[str, object]:
         raise UsageError(f"--tokens must be >= 0, got {a.tokens}")
     if a.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {a.temperature:g}")
+    if not 0 <= a.seed < 2**63:  # torch's generator takes a non-negative 64-bit seed
+        raise UsageError(f"--seed must be in 0..2^63-1, got {a.seed}")
     if a.top_k < 0:
         raise UsageError(f"--top-k must be >= 0 (0 = no limit), got {a.top_k}")
     return a.checkpoint or a.checkpoint_flag, a

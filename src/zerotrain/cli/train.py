@@ -12,7 +12,7 @@ from zerotrain.cli.args import Parser, UsageError, command
 
 # One line per config section, for `train --help` (a test keeps it equal to Config's).
 SECTIONS = {
-    "model": "size of the reference GPT",
+    "model": "family (gpt, llama, preset, Hugging Face folder), sizes, init weights",
     "data": "corpus, validation split, micro-batch and accumulation",
     "optimizer": "update rule and its hyperparameters, gradient clipping",
     "schedule": "learning rate: warmup, hold, decay, floor",
@@ -37,7 +37,8 @@ def _sections_text() -> str:
 
 
 def help_text() -> str:
-    p = Parser("train", "Train the reference GPT. Every config field can be overridden on "
+    p = Parser("train", "Train a language model (the reference GPT, llama, a preset or a "
+               "Hugging Face model). Every config field can be overridden on "
                "the command line, e.g. --optimizer.lr 3e-4 --zero.stage 2.",
                usage="zerotrain train [--config FILE] [--nproc N] [--resume [CKPT|auto]]\n"
                      "                       [--deepspeed FILE] [--max-restarts K] "
@@ -67,6 +68,8 @@ def _split_known(argv: list[str], flags: dict[str, bool]) -> tuple[dict, list[st
         tok = argv[i]
         name, eq, val = tok.partition("=")
         if name in flags:
+            if name in found:  # the last one silently winning hides a mistake
+                raise UsageError(f"{name} is given twice; give it once")
             if flags[name]:
                 if eq:
                     found[name] = val
@@ -148,19 +151,29 @@ def main_train(argv: list[str]) -> int:
     cfg = _load(opts, overrides, nproc)  # validate before launching
     resume = opts.get("--resume")
     resume = None if resume is None else str(resume)
+    if resume is not None and cfg.logging.overwrite:
+        raise UsageError("--resume continues the run in logging.run_dir, "
+                         "--logging.overwrite true replaces it; give one of them")
     from zerotrain.comm.dist import launched_by_torchrun
 
     if launched_by_torchrun():
+        import os
+        import sys
+
         from zerotrain.lifecycle import die_with_parent
 
         die_with_parent()
+        ignored = [f for f in ("--nproc", "--max-restarts") if f in opts]
+        if ignored and os.environ.get("RANK", "0") == "0":  # torchrun decides these here
+            print(f"zerotrain train: warning: {' and '.join(ignored)} ignored under torchrun; "
+                  "give torchrun its own --nproc-per-node / --max-restarts", file=sys.stderr)
     elif nproc > 1 or restarts:
         from zerotrain.comm.launch import launch_local
-        from zerotrain.train import check_before_launch
+        from zerotrain.train import launch_checked
 
-        check_before_launch(cfg, resume, nproc)  # one error now, not one per rank later
-        rest = _drop_flag(_drop_flag(argv, "--nproc"), "--max-restarts")
-        return launch_local(nproc, ["train", *rest], max_restarts=restarts)
+        with launch_checked(cfg, resume, nproc):  # one error now, not one per rank later
+            rest = _drop_flag(_drop_flag(argv, "--nproc"), "--max-restarts")
+            return launch_local(nproc, ["train", *rest], max_restarts=restarts)
     from zerotrain.train import train
 
     train(cfg, resume=resume)

@@ -144,7 +144,8 @@ class FaultConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(1000, ge=1)
-    seed: int = 1337
+    seed: int = Field(1337, ge=0, le=2**63 - 1, description="0 to 2^63-1: numpy's and "
+                      "torch's generators take no negative seed")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: cores / local ranks)"

@@ -72,15 +72,29 @@ class OptimizerConfig(_Section):
         return self
 
 
+#: warmup of a run that does not set schedule.warmup_steps: this many steps, or a tenth
+#: of a shorter run (`default_warmup`)
+DEFAULT_WARMUP = 100
+
+
+def default_warmup(steps: int) -> int:
+    """schedule.warmup_steps when not given: DEFAULT_WARMUP, at most a tenth of the run."""
+    return min(DEFAULT_WARMUP, steps // 10)
+
+
 class ScheduleConfig(_Section):
     """warmup -> hold at peak (optimizer.lr) -> decay to min_lr; peak lr is optimizer.lr.
+
+    warmup_steps left unset is `default_warmup(train.steps)`: 100, or a tenth of a run
+    shorter than 1000 steps (the Config fills it in; alone, a section says 100).
 
     These defaults are the command line's; `build_config(..., library=True)` (what
     `zerotrain.initialize` uses) starts from LIBRARY_DEFAULTS instead: a constant lr.
     """
 
     kind: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = Field(100, ge=0)
+    warmup_steps: int = Field(DEFAULT_WARMUP, ge=0, description="default: 100, or a "
+                              "tenth of train.steps when that is less")
     warmup_type: Literal["linear", "log"] = Field(
         "linear", description="warmup curve: linear in the step, or log(step+1)/log(warmup_steps) "
         "(DeepSpeed's default)")

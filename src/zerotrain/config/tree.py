@@ -18,7 +18,12 @@ from zerotrain.config.run import (
     TrainConfig,
     ZeroConfig,
 )
-from zerotrain.config.training import OptimizerConfig, PrecisionConfig, ScheduleConfig
+from zerotrain.config.training import (
+    OptimizerConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    default_warmup,
+)
 
 
 class Config(_Section):
@@ -36,11 +41,19 @@ class Config(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         s = self.schedule
+        if "warmup_steps" not in s.model_fields_set:
+            # the default scales with a short run (a 6-step smoke test must not be refused
+            # for a warmup nobody asked for); left out of fields_set, so still "defaulted"
+            object.__setattr__(s, "warmup_steps", default_warmup(self.train.steps))
         if s.warmup_steps + s.hold_steps > self.train.steps:
+            most = max(0, self.train.steps - s.hold_steps)
             raise ValueError(
-                f"schedule.warmup_steps + schedule.hold_steps ({s.warmup_steps + s.hold_steps}) "
-                f"exceed train.steps ({self.train.steps}); shorten warmup or train longer"
-            )
+                f"schedule.warmup_steps ({s.warmup_steps}) + schedule.hold_steps "
+                f"({s.hold_steps}) exceed train.steps ({self.train.steps}); set "
+                f"--schedule.warmup_steps {min(most, default_warmup(self.train.steps))} "
+                f"(at most {most}"
+                + (", or lower schedule.hold_steps" if s.hold_steps else "")
+                + ") or raise train.steps")
         if s.kind == "wsd" and s.hold_steps:
             raise ValueError("schedule.hold_steps must be 0 for schedule.kind wsd (its stable "
                              "phase is the hold); use wsd_decay_fraction to size the decay")

@@ -70,11 +70,34 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
         files = [f for kind, f in inventory([p]).files if kind != "parquet"]
         return _read_texts(files, f"folder '{p}'")
     if p.suffix == ".bin":
-        if p.stat().st_size < 4 or p.stat().st_size % 2:
-            raise DataError(f"'{p}' is not a uint16 token file (size {p.stat().st_size} bytes); "
-                            "re-create it with `zerotrain prepare`")
-        return np.memmap(p, dtype=np.uint16, mode="r")
+        return _byte_token_file(p)
     return _read_texts([p], f"file '{p}'")
+
+
+def _byte_token_file(p: Path) -> np.ndarray:
+    """A `.bin` of uint16 byte tokens (from `prepare`), memory-mapped. Any other file
+    named .bin (raw text, another tool's tokens) is refused before training: its values
+    are checked against the 256 byte tokens unless prepare's sidecar vouches for it."""
+    size = p.stat().st_size
+    fix = (f"a .bin must be uint16 byte tokens from `zerotrain prepare SRC --out {p.name}`; "
+           "for a text file give it a text suffix (e.g. .txt), for another tokenizer's tokens "
+           "prepare a shard folder")
+    if size < 4 or size % 2:
+        raise DataError(f"'{p}' is not a uint16 token file (size {size} bytes); {fix}")
+    tokens = np.memmap(p, dtype=np.uint16, mode="r")
+    try:
+        meta = json.loads(p.with_suffix(".json").read_text())
+        vouched = meta.get("tokens") == len(tokens) and meta.get("vocab_size") == VOCAB_SIZE
+    except (OSError, ValueError, AttributeError):
+        vouched = False
+    if not vouched:
+        for start in range(0, len(tokens), 1 << 24):  # a pass in 32 MiB pieces
+            part = np.asarray(tokens[start:start + (1 << 24)])
+            if part.max() >= VOCAB_SIZE:
+                i = start + int(np.argmax(part >= VOCAB_SIZE))
+                raise DataError(f"'{p}' holds {int(tokens[i])} at token {i}, not a byte "
+                                f"token (0-255); {fix}")
+    return tokens
 
 
 def prepare(src: str | Path | None, out: str | Path) -> dict:

@@ -14,6 +14,9 @@ so ranks share one tokenization instead of each holding its own.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from zerotrain.data.tokenizer import (
 )
 
 TOKENIZER_FILE = "tokenizer.json"
+BPE_RECORD = "tokenizer.bpe.json"  # the bpe:N a run-folder tokenizer was trained for
 SHARDS_DIR = "tokens"
 
 
@@ -51,7 +55,11 @@ def resolve_tokenizer(spec: str, data_path: str | Path | None = None,
                       cache_dir: str | Path | None = None, text_field: str = "text") -> Tokenizer:
     """`bytes`, a path, or `bpe:N`: train an N-token BPE on the training text into
     `cache_dir/tokenizer.json` the first time, load it afterwards. With several ranks,
-    call it on rank 0 first, then (after a barrier) on the others."""
+    call it on rank 0 first, then (after a barrier) on the others.
+
+    A corpus may supply fewer than N tokens; the tokenizer trained then is smaller, and
+    `tokenizer.bpe.json` beside it records the N it was trained for, so every later run
+    with the same `bpe:N` (a resume, a restarted rank) accepts it."""
     if not spec.startswith("bpe:"):
         return load_tokenizer(spec)
     n = int(spec[4:])
@@ -60,14 +68,73 @@ def resolve_tokenizer(spec: str, data_path: str | Path | None = None,
     out = Path(cache_dir) / TOKENIZER_FILE
     if out.is_file():
         tok = HFTokenizer.from_file(out)
-        if tok.vocab_size != n:
-            raise DataError(f"'{out}' has {tok.vocab_size} tokens but data.tokenizer is {spec}; "
-                            "delete it to train again, or use the same N")
+        if tok.vocab_size != n and bpe_request(out, tok) != n:
+            raise DataError(
+                f"'{out}' has {tok.vocab_size} tokens but data.tokenizer is {spec}; to go on "
+                f"with the run that trained it pass --data.tokenizer {out}, or start a new "
+                "tokenizer in another logging.run_dir (or with --logging.overwrite true)")
         return tok
     if data_path is not None and is_shard_folder(data_path):
         raise DataError(f"data.tokenizer {spec} trains on text, but data.path '{data_path}' "
                         "holds tokens; pass the tokenizer the shards were prepared with")
-    return train_bpe(iter_texts(_sources(data_path), text_field), n, out)
+    tok = train_bpe(iter_texts(_sources(data_path), text_field), n, out)
+    record = {"requested": n, "vocab_size": tok.vocab_size, "sha256": tok.sha256}
+    out.with_name(BPE_RECORD).write_text(json.dumps(record, indent=1))
+    return tok
+
+
+def bpe_request(path: Path, tok: HFTokenizer) -> int | None:
+    """The N of the `bpe:N` that trained the tokenizer at `path` here (None: unknown, or
+    the file was replaced since)."""
+    try:
+        rec = json.loads(path.with_name(BPE_RECORD).read_text())
+        return int(rec["requested"]) if rec.get("sha256") == tok.sha256 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def clear_caches(cache_dir: str | Path, data_path: str | Path | None, spec: str) -> list[Path]:
+    """Remove what training made in `cache_dir` from the data (a `bpe:N` tokenizer and
+    the token shards), for a run that replaces the folder's run: it must not train on
+    tokens of an older corpus. Only zerotrain's own files go: the tokenizer when zerotrain
+    trained it (its record, or this run asks for bpe:N) and data.tokenizer does not name
+    it; the shards when `cached_shards` made them and data.path does not point into them."""
+    d = Path(cache_dir)
+    gone: list[Path] = []
+
+    def used(p: Path, given: str | Path | None) -> bool:
+        if given is None:
+            return False
+        g = Path(given).expanduser().resolve()
+        return g == p.resolve() or p.resolve() in g.parents
+
+    tok_file = d / TOKENIZER_FILE
+    ours = (d / BPE_RECORD).is_file() or spec.startswith("bpe:")
+    if tok_file.is_file() and ours and \
+            not used(tok_file, None if spec.startswith("bpe:") else spec):
+        for f in (tok_file, d / BPE_RECORD):
+            f.unlink(missing_ok=True)
+        gone.append(tok_file)
+    shards = d / SHARDS_DIR
+    if (shards / MANIFEST).is_file() and not used(shards, data_path):
+        try:
+            made_here = "cache_key" in json.loads((shards / MANIFEST).read_text())
+        except (OSError, ValueError):
+            made_here = False
+        if made_here:
+            shutil.rmtree(shards, ignore_errors=True)
+            gone.append(shards)
+    return gone
+
+
+def source_key(sources: Sequence[str | Path]) -> str:
+    """What identifies the content of the inputs without reading it: every file's path,
+    size and modification time (an edited or replaced file changes it)."""
+    h = hashlib.sha256()
+    for kind, f in inventory(sources).files:
+        st = f.stat()
+        h.update(f"{kind}\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 Split = np.ndarray | ShardSplit
@@ -100,22 +167,30 @@ def needs_shards(path: str | Path | None, tok: Tokenizer) -> bool:
 
 
 def cached_shards(path: str | Path | None, tok: Tokenizer, cache_dir: str | Path,
-                  text_field: str = "text") -> Path:
+                  text_field: str = "text", notes: list[str] | None = None) -> Path:
     """Token shards of data.path (or the embedded corpus) under `cache_dir/tokens`,
-    prepared once and reused while the inputs and the tokenizer are the same. Call on
-    rank 0 first; after a barrier the other ranks get the same folder back."""
+    prepared once and reused while the inputs' content (`source_key`) and the tokenizer
+    are the same. Call on rank 0 first; after a barrier the other ranks get the same
+    folder back. A rebuild of an existing cache adds a line to `notes`."""
     if path is not None and is_shard_folder(path):
         return Path(path)
     out = Path(cache_dir) / SHARDS_DIR
-    inputs = [str(s) for s in _sources(path)]
+    sources = _sources(path)
+    inputs = [str(s) for s in sources]
+    key = source_key(sources)
     if (out / MANIFEST).is_file():
         try:
             shards = TokenShards(out, tok)
-            if shards.manifest["sources"]["inputs"] == inputs:
+            if shards.manifest.get("cache_key") == key:
                 return out
+            if shards.manifest["sources"]["inputs"] == inputs and notes is not None:
+                where = "the embedded corpus" if path is None else f"'{path}'"
+                notes.append(f"[zerotrain] data: {where} changed since its tokens were "
+                             f"cached in '{out}'; tokenizing it again")
         except DataError:
             pass  # another tokenizer: prepare again
-    prepare(inputs, tok, out, text_field=text_field, overwrite=True)
+    prepare(inputs, tok, out, text_field=text_field, overwrite=True,
+            extra={"cache_key": key})
     return out
 
 

@@ -151,10 +151,15 @@ class ShardWriter:
 
 def prepare(sources: Sequence[str | Path], tokenizer: str | Tokenizer, out_dir: str | Path, *,
             text_field: str = "text", shard_tokens: int = 1 << 27, workers: int | None = None,
-            chunk_bytes: int = 1 << 20, overwrite: bool = False) -> dict[str, Any]:
-    """Tokenize `sources` into shards under `out_dir`; returns the manifest.
+            chunk_bytes: int = 1 << 20, overwrite: bool = False,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Tokenize `sources` into shards under `out_dir`; returns the manifest (with `extra`'s
+    keys added, e.g. the run folder cache's key of the inputs).
     `workers`: tokenizing processes (0 = this process; default: none for bytes, else
     the CPU count, at most 4)."""
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        # 0 would end a shard before writing a token (endless empty files), < 0 never
+        raise DataError(f"shard_tokens must be a whole number >= 1, got {shard_tokens!r}")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     out = Path(out_dir).expanduser()
     if out.exists() and not overwrite:
@@ -173,11 +178,17 @@ def prepare(sources: Sequence[str | Path], tokenizer: str | Tokenizer, out_dir: 
         writer.add(tokens)
         text_bytes, docs = text_bytes + nbytes, docs + ended
     shards = writer.close()
+    if not shards:  # nothing to train on: say so now, not at the first training run
+        shutil.rmtree(tmp, ignore_errors=True)
+        names = ", ".join(f"'{s}'" for s in sources[:3]) + (" ..." if len(sources) > 3 else "")
+        raise DataError(f"data.path {names} holds no text ({len(inv.files)} file(s), all "
+                        "empty or without text); give non-empty text files, folders, .jsonl "
+                        "or .parquet")
     manifest = {"format": FORMAT, "version": 1, "tokenizer": tok.describe(),
                 "vocab_size": tok.vocab_size, "dtype": dtype.name, "separator": separator(tok),
                 "tokens": sum(s["tokens"] for s in shards), "documents": docs,
                 "text_bytes": text_bytes, "shards": shards,
-                "sources": inv.summary([str(s) for s in sources])}
+                "sources": inv.summary([str(s) for s in sources]), **(extra or {})}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if out.exists():
         shutil.rmtree(out)

@@ -171,7 +171,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
 def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | Path,
               min_frequency: int = 2) -> HFTokenizer:
     """Train a byte-level BPE of `vocab_size` tokens (256 bytes + <|endoftext|> + merges)
-    on an iterable of texts, and write it atomically to `out_path` (tokenizer.json)."""
+    on an iterable of texts, and write it atomically to `out_path` (tokenizer.json).
+
+    A text with fewer distinct merges (at `min_frequency`) than asked for gives a smaller
+    vocabulary: the result's `vocab_size` is the truth, callers compare and say so."""
     if vocab_size < 258:
         raise DataError(f"BPE vocabulary {vocab_size} is too small: 256 byte tokens and "
                         f"{EOS_TOKEN} come first; ask for at least 258")
@@ -183,7 +186,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | Path,
     trainer = tk.trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN],
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
+    chars = 0
+
+    def counted() -> Iterable[str]:
+        nonlocal chars
+        for t in texts:
+            chars += len(t)
+            yield t
+
+    tok.train_from_iterator(counted(), trainer=trainer)
+    if not chars:  # a 257-token "tokenizer" of bytes alone is no tokenizer to train on
+        raise DataError("the text to train the BPE tokenizer on is empty; give non-empty "
+                        "text files, folders, .jsonl or .parquet")
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -14,8 +14,8 @@ counted on the meta device.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +106,43 @@ def pretrained_weights(model_cfg: ModelConfig, model: nn.Module) -> Weights | No
         path = model_cfg.hf
     if path is None:
         return None
-    index = SafetensorsIndex(path)
     arch = None if model_cfg.hf is not None else model_cfg.arch
 
     def candidates(name: str) -> list[tuple[str, bool]]:
         return [(name, False), hf_name(arch, name)]
 
-    return Weights(index, bind(model, index, candidates))
+    with _naming(model_cfg):
+        index = open_weights(path)
+        return Weights(index, bind(model, index, candidates))
+
+
+@contextmanager
+def _naming(model_cfg: ModelConfig) -> Iterator[None]:
+    """Weight errors name the setting that pointed at the weights."""
+    try:
+        yield
+    except WeightError as e:
+        what = "model.init_from" if model_cfg.init_from is not None else "model.hf"
+        raise WeightError(f"{what}: {e}") from None
+
+
+def open_weights(path: str | Path) -> SafetensorsIndex:
+    """The safetensors index of model.init_from / model.hf's folder; a training checkpoint
+    or run folder (which hold sharded training state, not weights) is named as such."""
+    p = Path(path).expanduser()
+    if p.is_dir() and any((p / m).exists() for m in ("meta.json", "latest", "checkpoints")):
+        raise WeightError(
+            f"'{p}' is a training checkpoint or run folder, not exported weights; continue "
+            f"that run with --resume {p}, or export its weights with `zerotrain export "
+            f"{p} --out W.safetensors` and start from W")
+    return SafetensorsIndex(p)
+
+
+def check_weights(model_cfg: ModelConfig) -> None:
+    """Before launching ranks: model.init_from names readable weights (headers only)."""
+    if model_cfg.init_from is not None:
+        with _naming(model_cfg):
+            open_weights(model_cfg.init_from).close()
 
 
 def export_metadata(model_cfg: ModelConfig, hf_config: dict[str, Any] | None = None,
@@ -143,6 +173,7 @@ def load_export(path: str | Path, device: torch.device | str | None = None
 
 
 __all__ = ["EXPORT_FORMAT", "PLANS", "PRESETS", "Group", "Plan", "WeightError", "Weights",
-           "build_model", "count_params", "default_plan", "export_metadata", "load_export",
+           "build_model", "check_weights", "count_params", "default_plan", "export_metadata",
+           "load_export",
            "model_size", "on_meta", "plan_for", "pretrained_weights", "resolve_model_config",
            "unit_numels"]

@@ -127,6 +127,33 @@ def resolve_model_config(cfg: ModelConfig, tokenizer_vocab: int | None = None,
     return ModelConfig.model_validate(d)
 
 
+def tokenizer_vocab(spec: str) -> int | None:
+    """The vocabulary a run's data.tokenizer will have, found without data: bytes 256,
+    bpe:N at most N (a corpus short of merges gives fewer), a file or folder its own;
+    None when the tokenizer cannot be read (the run itself then says why)."""
+    if spec == "bytes":
+        return 256
+    if spec.startswith("bpe:"):
+        return int(spec[4:])
+    from zerotrain.data.errors import DataError
+    from zerotrain.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(spec).vocab_size
+    except DataError:
+        return None
+
+
+def planned_model_config(model: ModelConfig, tokenizer: str = "bytes") -> ModelConfig:
+    """The model a run will build (`resolve_model_config`), before any data is read: what
+    `estimate --model` counts and `config show` prints. A model vocabulary smaller than
+    the tokenizer's is the run's error to report; here the model's own sizes stand."""
+    try:
+        return resolve_model_config(model, tokenizer_vocab=tokenizer_vocab(tokenizer))
+    except ConfigError:
+        return resolve_model_config(model)
+
+
 def count_params(cfg: ModelConfig) -> int:
     """Unique parameters of a gpt or llama config, from the shapes alone (a tied head
     counts once). Tests hold it against the built model."""

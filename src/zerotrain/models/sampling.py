@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+class NonFiniteOutput(ValueError):
+    """The model's logits hold NaN or inf: its weights diverged (a user's problem to fix
+    with another checkpoint, reported as one line)."""
+
+
 @torch.no_grad()
 def generate(model: nn.Module, idx: Tensor, max_new_tokens: int, block_size: int,
              temperature: float = 0.8, top_k: int | None = 50,
@@ -22,6 +27,11 @@ def generate(model: nn.Module, idx: Tensor, max_new_tokens: int, block_size: int
     """Append `max_new_tokens` sampled tokens to `idx` (B, T); returns (B, T + new)."""
     for _ in range(max_new_tokens):
         logits = model(idx[:, -block_size:])[:, -1, :].float()
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteOutput(
+                "the model's outputs are not finite (NaN or inf): its weights come from a "
+                "run that diverged; sample an earlier checkpoint, or retrain with a lower "
+                "optimizer.lr")
         if vocab_limit is not None and vocab_limit < logits.size(-1):
             logits[:, vocab_limit:] = -float("inf")
         logits = logits / max(temperature, 1e-6)

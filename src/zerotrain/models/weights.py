@@ -170,7 +170,9 @@ def bind(model: nn.Module, index: SafetensorsIndex, candidates: Candidates | Non
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             parts.append(f"no tensor for {', '.join(missing[:8])}{more}")
-        parts.extend(wrong[:8])
+        parts.extend(wrong[:3])
+        if len(wrong) > 3:  # one line stays readable: the first few say what differs
+            parts.append(f"{len(wrong) - 3} more tensors of other shapes")
         raise WeightError(f"weights '{index.path}' do not fit the model: " + "; ".join(parts) +
                           "; check that the weights were saved from this model configuration")
     return out
