@@ -443,7 +443,8 @@ def test_launcher_flags_under_torchrun_are_said_to_be_ignored(monkeypatch, capsy
 
 
 def test_an_interrupted_rank_0_tells_the_launcher_it_saved(tmp_path, monkeypatch, capsys):
-    from zerotrain.cli.args import SAVED_MARKER, command
+    from zerotrain.cli.args import command
+    from zerotrain.comm.launch import SAVED_MARKER, interrupted_status
     from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted
 
     @command("demo")
@@ -453,7 +454,9 @@ def test_an_interrupted_rank_0_tells_the_launcher_it_saved(tmp_path, monkeypatch
     monkeypatch.setenv("ZEROTRAIN_ERROR_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "1")
     assert body([]) == EXIT_INTERRUPTED and not (tmp_path / SAVED_MARKER).exists()
+    assert interrupted_status(tmp_path) == 130  # the launcher: nothing saved yet
     monkeypatch.setenv("RANK", "0")
     assert body([]) == EXIT_INTERRUPTED
     assert "step_00000003" in (tmp_path / SAVED_MARKER).read_text()
+    assert interrupted_status(tmp_path) == EXIT_INTERRUPTED
     assert capsys.readouterr().err.count("interrupted at step 3") == 1

@@ -40,11 +40,6 @@ __all__ = [
 Main = Callable[[list[str]], int]
 
 
-#: written into ZEROTRAIN_ERROR_DIR by rank 0 once an interrupted run has saved, so the
-#: launcher can tell "interrupted, checkpoint saved" (75) from "interrupted" (130)
-SAVED_MARKER = "interrupted-saved.txt"
-
-
 class UsageError(Exception):
     """A mistake on the command line: reported as one line on stderr, exit status 2."""
 
@@ -162,6 +157,8 @@ def command(name: str) -> Callable[[Main], Main]:
                         print(f"zerotrain {name}: {e}", file=sys.stderr)
                         where = os.environ.get("ZEROTRAIN_ERROR_DIR")
                         if where and "RANK" in os.environ:  # tells the launcher: 75, not 130
+                            from zerotrain.comm.launch import SAVED_MARKER
+
                             Path(where, SAVED_MARKER).write_text(str(e))
                     return EXIT_INTERRUPTED
                 if isinstance(e, user_errors()):

@@ -40,6 +40,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 EXIT_INTERRUPTED = 75  # the same status as zerotrain.lifecycle.EXIT_INTERRUPTED
+EXIT_NOT_SAVED = 130  # interrupted before anything was saved (as a shell's Ctrl-C)
+#: rank 0's note that an interrupted run saved its checkpoint (written by cli.args)
+SAVED_MARKER = "interrupted-saved.txt"
 ERROR_DIR = "ZEROTRAIN_ERROR_DIR"
 
 #: What a collective or store raises on a rank whose peer process is gone (gloo, NCCL,
@@ -254,6 +257,13 @@ def _our_agent(nproc: int, errors: Path) -> Iterator[None]:
         api.LocalElasticAgent = base
 
 
+def interrupted_status(errors: Path) -> int:
+    """The job's status after Ctrl-C/SIGTERM: 75 promises a checkpoint, so only when rank 0
+    left word that it saved one (a stop during start-up or before the first step saved
+    nothing: 130, as a shell reports Ctrl-C)."""
+    return EXIT_INTERRUPTED if (errors / SAVED_MARKER).exists() else EXIT_NOT_SAVED
+
+
 def _quiet_torchrun() -> None:
     """torchrun's log lines (one per signal, restart or failed rank: "E1201 ... failed
     (exitcode: 2)") would bury ours; its loggers take their level from LOGLEVEL when
@@ -297,7 +307,7 @@ def launch_local(nproc: int, argv: list[str], module: str = "zerotrain",
                   file=sys.stderr, flush=True)
             return 128 + e.signum
         except SignalException:  # Ctrl-C / SIGTERM: the ranks were told to save and stop
-            return EXIT_INTERRUPTED
+            return interrupted_status(Path(errors))
         finally:
             os.environ.pop(ERROR_DIR, None)
     return 0
