@@ -60,21 +60,48 @@ class Loaded:
 def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world: int,
          keep: int, run_id: str | None = None, client_state: Any = None,
          name: str | None = None) -> Path:
-    """Collective: write `state` (an engine state dict) as one sharded checkpoint."""
-    tensors: dict[str, Tensor] = {f"strategy.{k}": v for k, v in state["strategy"].items()}
+    """Collective: write `state` (an engine state dict) as one sharded checkpoint.
+
+    Each rank writes only its `write_ranges` of what it holds, so state replicated on
+    every rank (stage 0) is written once, split across the ranks; the rank's JSON
+    records the ranges actually written, which is all a reader goes by."""
+    meta_in = state["meta"]
+    cut = meta_in["rank_layout"]
+    ranges = [tuple(r) for r in cut["opt_ranges"]]
+    write = [tuple(r) for r in cut.get("write_ranges", ranges)]
+    tensors: dict[str, Tensor] = {}
+    for k, v in state["strategy"].items():
+        ui = int(k.split(".")[1]) if k.startswith("master.") else None
+        if ui is not None and write[ui] != ranges[ui]:
+            (lo, _), (a, b) = ranges[ui], write[ui]
+            v = v[a - lo:b - lo]
+        tensors[f"strategy.{k}"] = v
     scalars: dict[str, Any] = {}
+    segments = []
+    for ui, a, b, shape in cut["segments"]:
+        if write[ui] == ranges[ui]:  # all of it (Muon's owners: a whole matrix, even
+            segments.append([ui, a, b, shape])  # beyond the master range)
+            continue
+        x, y = max(a, write[ui][0]), min(b, write[ui][1])
+        y = max(x, y)
+        segments.append([ui, a, b, shape] if (x, y) == (a, b) else [ui, x, y, [y - x]])
     for idx, st in state["optimizer"]["state"].items():
+        _ui, a, b, _shape = cut["segments"][idx]
+        _, x, y, _ = segments[idx]
+        if x == y:  # none of this tensor falls in this rank's written range
+            continue
         for n, v in st.items():
-            if isinstance(v, Tensor):
-                tensors[f"optim.{idx}.{n}"] = v.reshape(-1) if v.ndim else v
-            else:
+            if not isinstance(v, Tensor):
                 scalars[f"{idx}.{n}"] = v
+            elif not v.ndim:
+                tensors[f"optim.{idx}.{n}"] = v
+            else:
+                tensors[f"optim.{idx}.{n}"] = v.reshape(-1)[x - a:y - a]
     tensors.update({f"rng.{k}": v for k, v in state["rng"].items()})
     if rank == 0:
         tensors.update({f"buffer.{k}": v for k, v in state["buffers"].items()})
-    meta_in = state["meta"]
-    rank_meta = {**meta_in["rank_layout"], "param_groups": state["optimizer"]["param_groups"],
-                 "scalar_state": scalars}
+    rank_meta = {"opt_ranges": [list(r) for r in write], "segments": segments,
+                 "param_groups": state["optimizer"]["param_groups"], "scalar_state": scalars}
     try:
         json.dumps(client_state)
     except TypeError as e:
@@ -98,24 +125,30 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
     check_model(meta["layout"], template["meta"]["layout"],
                 order=list(template["meta"]["aliases"].values()))
     reset = check_optimizer(meta, template["meta"]["optimizer"], reset_optimizer)
-    same = (meta["layout"]["units"] == template["meta"]["layout"]["units"]
-            and meta["world_size"] == template["meta"]["layout"]["world_size"])
+    layout = template["meta"]["layout"]
+    same_world = meta["world_size"] == layout["world_size"]
+    same = same_world and meta["layout"]["units"] == layout["units"]
+    topology = same and meta["layout"].get("stage") == layout.get("stage")
     tensors: dict[str, Tensor] = {}
     rmeta: dict[str, Any] = {}
     if same:
         tensors, rmeta = _read_rank(ckpt, meta, rank)
         # the same units can still be cut differently for the optimizer (e.g. Muon keeps
-        # per-matrix tensors); that follows from layout and optimizer alone, so every
-        # rank takes the same branch
+        # per-matrix tensors), or written in parts (stage 0 at N > 1: each rank wrote a
+        # slice of the replicated state); that follows from layout and optimizer alone,
+        # so every rank takes the same branch
         same = _cut(rmeta) == _cut(template["meta"]["rank_layout"])
-    sd = _same_layout(tensors, rmeta, template) if same else _resliced(ckpt, meta, template)
+    if same:
+        sd = _same_layout(tensors, rmeta, template)
+    else:  # the RNG streams carry over where rank r of the checkpoint is rank r here
+        sd = _resliced(ckpt, meta, template, rank if same_world else None)
     if reset:
         sd["optimizer"] = {"state": {}}
     sd.update(scaler=meta["scaler"],
               counters={"global_step": int(meta["global_step"]),
                         "micro_step": int(meta["micro_step"]),
                         "spike_guard": meta.get("spike_guard")})
-    info = Loaded(ckpt, meta, not same, reset, meta.get("client_state"),
+    info = Loaded(ckpt, meta, not topology, reset, meta.get("client_state"),
                   config_changes(meta.get("config", {}), template["meta"]["config"]))
     return sd, info
 
@@ -160,10 +193,12 @@ def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dic
             "buffers": buffers}
 
 
-def _resliced(ckpt: Path, meta: dict, template: dict) -> dict[str, Any]:
+def _resliced(ckpt: Path, meta: dict, template: dict, rng_rank: int | None
+              ) -> dict[str, Any]:
     """Cut every rank's saved shards along the template's layout, reading only this
-    rank's ranges. The RNG is not carried over: rank r of another world size is
-    another stream."""
+    rank's ranges. The RNG comes from rank `rng_rank`'s file when given (the same world
+    size); otherwise it is not carried over: rank r of another world size is another
+    stream."""
     saved = SavedShards(ckpt, meta)
     layout, cut = template["meta"]["layout"], template["meta"]["rank_layout"]
     strategy: dict[str, Tensor] = {}
@@ -187,8 +222,9 @@ def _resliced(ckpt: Path, meta: dict, template: dict) -> dict[str, Any]:
                 st[name] = gather_range(unit, a, b, saved.reader(name), dtype).view(shape)
         if st:
             state[idx] = st
-    return {"strategy": strategy, "optimizer": {"state": state}, "rng": {},
-            "buffers": saved.buffers()}
+    rng = {} if rng_rank is None else saved.rank_tensors(rng_rank, "rng.")
+    return {"strategy": strategy, "optimizer": {"state": state}, "rng": rng,
+            "buffers": saved.rank_tensors(0, "buffer.")}
 
 
 # ----------------------------------------------------------------------------- checks
