@@ -30,6 +30,7 @@ import datetime
 import functools
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ from zerotrain.comm.dist import world
 from zerotrain.config import deep_merge
 from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
+from zerotrain.zero.state import StrategyState
 
 from multirank import run_ranks
 from zero_harness import batches, full_params, local_batch, make_config
@@ -154,6 +156,10 @@ def _save_sources(root: Path) -> None:
         eng = _engine(overrides(stage, off, muon), 0)
         _train(eng, data[:BEFORE])
         eng.save_checkpoint(root / "ck" / name)
+        if stage == 0 and n == 2:  # as zerotrain wrote it before: every rank all it holds
+            with mock.patch.object(StrategyState, "write_range",
+                                   lambda self, u: self.opt_range(u)):
+                eng.save_checkpoint(root / "legacy" / name)
         ref = root / "ref" / name
         ref.mkdir(parents=True, exist_ok=True)
         save_file({"|".join(map(str, p[:4])): p[4] for p in state_pieces(eng)},
@@ -348,3 +354,49 @@ def test_every_element_is_written_once(matrix):
     sizes = {w: sum(f.stat().st_size for f in _ck(root, src_name(0, False, False, w)).iterdir())
              for w in WORLDS}
     print(f"\n[matrix] stage-0 checkpoint bytes by world size: {sizes}")
+
+
+def test_duplicated_stage0_checkpoints_still_load(matrix, tmp_path):
+    """Stage 0 at N ranks used to write its whole replicated state on every rank. Such
+    checkpoints still export and reshard: the copies are compared and read once; copies
+    that differ are one clear error."""
+    import hashlib
+    import json
+    import shutil
+
+    from zerotrain.checkpoint import CheckpointError, consolidate, resolve
+    from zerotrain.checkpoint.io import read_meta
+
+    root = matrix[0]
+    for muon in (False, True):
+        name = src_name(0, False, muon, 2)
+        ck = resolve(root / "legacy" / name)
+        ref = _reference(root, name)
+        padded = sum(u["padded_numel"] for u in read_meta(ck)["layout"]["units"])
+        assert _elements(ck, "strategy.master.") == 2 * padded  # really duplicated
+        weights, _ = consolidate(ck)
+        assert all(torch.equal(weights[p].reshape(-1), ref["state"]["master", p])
+                   for (k, p) in ref["state"] if k == "master")
+        for stage in (0, 3):  # replicated again, and sharded (here on one rank)
+            eng = _engine(overrides(stage, False, muon), 99)
+            eng.load_checkpoint(ck)
+            pieces = state_pieces(eng)
+            assert {(k, p) for k, p, *_ in pieces} == set(ref["state"])
+            assert all(torch.equal(ref["state"][k, p][a:b], v) for k, p, a, b, v in pieces)
+    # rank 1's copy of one master weight changed (checksums made to match): refused
+    bad = tmp_path / "bad"
+    shutil.copytree(resolve(root / "legacy" / src_name(0, False, False, 2)), bad)
+    f = bad / "rank00001.safetensors"
+    tensors = load_file(str(f))
+    tensors["strategy.master.0"][3] += 1.0
+    save_file(tensors, str(f))
+    digest = hashlib.sha256(f.read_bytes()).hexdigest()
+    js = bad / "rank00001.json"
+    js.write_text(json.dumps(dict(json.loads(js.read_text()), sha256=digest)))
+    meta = json.loads((bad / "meta.json").read_text())
+    meta["checksums"].update({f.name: digest,
+                              js.name: hashlib.sha256(js.read_bytes()).hexdigest()})
+    (bad / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"saved different copies of .* it is "
+                       r"inconsistent: resume from another checkpoint"):
+        consolidate(bad)
