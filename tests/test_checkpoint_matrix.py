@@ -155,6 +155,7 @@ def _save_sources(root: Path) -> None:
         name = src_name(stage, off, muon, n)
         eng = _engine(overrides(stage, off, muon), 0)
         _train(eng, data[:BEFORE])
+        rng = torch.get_rng_state()  # what the checkpoint records of this rank's stream
         eng.save_checkpoint(root / "ck" / name)
         if stage == 0 and n == 2:  # as zerotrain wrote it before: every rank all it holds
             with mock.patch.object(StrategyState, "write_range",
@@ -162,7 +163,7 @@ def _save_sources(root: Path) -> None:
                 eng.save_checkpoint(root / "legacy" / name)
         ref = root / "ref" / name
         ref.mkdir(parents=True, exist_ok=True)
-        save_file({"|".join(map(str, p[:4])): p[4] for p in state_pieces(eng)},
+        save_file({"|".join(map(str, p[:4])): p[4] for p in state_pieces(eng)} | {"rng": rng},
                   str(ref / f"rank{rank}.safetensors"))
         _train(eng, data[BEFORE:])
         params = full_params(eng)
@@ -179,18 +180,20 @@ def _reference(root: Path, name: str) -> dict:
     with safe_open(str(ref / "after.safetensors"), "pt") as f:
         n = int(f.metadata()["world"])
     params = load_file(str(ref / "after.safetensors"))
-    pieces = []
+    pieces, rng = [], []
     for r in range(n):
-        for key, v in load_file(str(ref / f"rank{r}.safetensors")).items():
+        tensors = load_file(str(ref / f"rank{r}.safetensors"))
+        rng.append(tensors.pop("rng"))
+        for key, v in tensors.items():
             kind, name_, a, b = key.split("|")
             pieces.append((kind, name_, int(a), int(b), v))
     return {"state": assemble(pieces, {k: v.numel() for k, v in params.items()}),
-            "params": params}
+            "params": params, "rng": rng}
 
 
 def _load_sources(root: Path) -> list[dict]:
     """Load every source into one engine per (target stage, optimizer) of this world."""
-    _, n = world()
+    rank, n = world()
     data = list(batches(BEFORE + AFTER))
     out = []
     for muon in (False, True):
@@ -202,7 +205,10 @@ def _load_sources(root: Path) -> list[dict]:
                 for w in WORLDS:
                     name = src_name(s_stage, off, muon, w)
                     ref = _reference(root, name)
+                    torch.manual_seed(len(out))  # a stream the checkpoint must replace
                     eng.load_checkpoint(root / "ck" / name)
+                    # rank r's random stream continues where rank r of the source was
+                    rng = w != n or torch.equal(torch.get_rng_state(), ref["rng"][rank])
                     pieces = state_pieces(eng)
                     wrong = sorted({(k, p) for k, p, a, b, v in pieces
                                     if (k, p) not in ref["state"]
@@ -214,8 +220,9 @@ def _load_sources(root: Path) -> list[dict]:
                     got, want = full_params(eng), ref["params"]
                     equal = all(torch.equal(got[k], want[k]) for k in want)
                     rel = max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
-                    out.append({"src": name, "tgt": (stage, n), "same": (s_stage, w) == (stage, n),
-                                "wrong": wrong[:3], "held": held, "equal": equal, "rel": rel})
+                    out.append({"src": name, "tgt": (stage, n), "wrong": wrong[:3],
+                                "same": (s_stage, w) == (stage, n), "rng": rng,
+                                "held": held, "equal": equal, "rel": rel})
             eng.close()
     return out
 
@@ -281,6 +288,7 @@ def test_every_checkpoint_resumes_at_every_stage_and_world_size(matrix):
         assert len(ranks) == tgt[1]
         wrong = [w for r in ranks for w in r["wrong"]]
         assert not wrong, f"{src} -> stage {tgt[0]} world {tgt[1]}: loaded state differs: {wrong}"
+        assert all(r["rng"] for r in ranks), f"{src} -> {tgt}: the RNG did not carry over"
         ref = _reference(root, src)
         held = set().union(*(r["held"] for r in ranks))
         assert held == set(ref["state"]), f"{src} -> {tgt}: states {set(ref['state']) ^ held}"

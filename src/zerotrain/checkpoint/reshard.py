@@ -1,12 +1,13 @@
 """Reading a checkpoint cut one way as if it were cut another way.
 
-Each rank saved exactly what it owns: its master-weight range of every unit and the
-optimizer state of its optimizer tensors, each tensor flat, plus a table saying which
-flat range of which unit each one covers. `SavedShards` indexes that, so any flat range
-of any parameter's weights or optimizer state can be read back — from only the files
-and byte ranges that hold it (safetensors slices), never whole files in memory. That
-gives resharding (another world size or stage: read this rank's new ranges), export and
-sampling (read everything), without the model.
+Each rank saved exactly what it owns — its master-weight range of every unit and the
+optimizer state of its optimizer tensors, each tensor flat — plus a table saying which
+flat range of which unit each one covers. Where every rank holds everything (stage 0),
+each saved its shard of it, so every element is in one file. `SavedShards` indexes
+that, so any flat range of any parameter's weights or optimizer state can be read back
+— from only the files and byte ranges that hold it (safetensors slices), never whole
+files in memory. That gives resharding (another world size or stage: read this rank's
+new ranges), export and sampling (read everything), without the model.
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 
 `save(state, ...)` flattens an engine-shaped state dict into this rank's safetensors
 file (tensors, optimizer tensors flat) and JSON (its cut of the layout, optimizer groups,
-scalars); rank 0 adds the manifest. `load(path, template, rank)` returns a state dict
-shaped like `template` (the running engine's own `state_dict()`): read straight from
-this rank's file when the layout is the same, cut again from every rank's files
-(`reshard.py`) when the world size or stage differ. This module never sees the engine
-itself, only state dicts.
+scalars); rank 0 adds the manifest. A rank writes only its `write_ranges` (its shard:
+replicated stage-0 state is written once, split across the ranks).
+
+`load(path, template, rank)` returns a state dict shaped like `template` (the running
+engine's own `state_dict()`): read straight from this rank's file when it holds exactly
+this rank's cut, cut again from every rank's files (`reshard.py`) otherwise — another
+world size or stage, or stage 0 at N > 1. This module never sees the engine itself,
+only state dicts.
 
 One rule for what a resume takes from where: the checkpoint gives the *state* (weights,
 optimizer moments and step counts, loss scale, counters, RNG when the world size is the
@@ -60,48 +63,14 @@ class Loaded:
 def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world: int,
          keep: int, run_id: str | None = None, client_state: Any = None,
          name: str | None = None) -> Path:
-    """Collective: write `state` (an engine state dict) as one sharded checkpoint.
-
-    Each rank writes only its `write_ranges` of what it holds, so state replicated on
-    every rank (stage 0) is written once, split across the ranks; the rank's JSON
-    records the ranges actually written, which is all a reader goes by."""
-    meta_in = state["meta"]
-    cut = meta_in["rank_layout"]
-    ranges = [tuple(r) for r in cut["opt_ranges"]]
-    write = [tuple(r) for r in cut.get("write_ranges", ranges)]
-    tensors: dict[str, Tensor] = {}
-    for k, v in state["strategy"].items():
-        ui = int(k.split(".")[1]) if k.startswith("master.") else None
-        if ui is not None and write[ui] != ranges[ui]:
-            (lo, _), (a, b) = ranges[ui], write[ui]
-            v = v[a - lo:b - lo]
-        tensors[f"strategy.{k}"] = v
-    scalars: dict[str, Any] = {}
-    segments = []
-    for ui, a, b, shape in cut["segments"]:
-        if write[ui] == ranges[ui]:  # all of it (Muon's owners: a whole matrix, even
-            segments.append([ui, a, b, shape])  # beyond the master range)
-            continue
-        x, y = max(a, write[ui][0]), min(b, write[ui][1])
-        y = max(x, y)
-        segments.append([ui, a, b, shape] if (x, y) == (a, b) else [ui, x, y, [y - x]])
-    for idx, st in state["optimizer"]["state"].items():
-        _ui, a, b, _shape = cut["segments"][idx]
-        _, x, y, _ = segments[idx]
-        if x == y:  # none of this tensor falls in this rank's written range
-            continue
-        for n, v in st.items():
-            if not isinstance(v, Tensor):
-                scalars[f"{idx}.{n}"] = v
-            elif not v.ndim:
-                tensors[f"optim.{idx}.{n}"] = v
-            else:
-                tensors[f"optim.{idx}.{n}"] = v.reshape(-1)[x - a:y - a]
+    """Collective: write `state` (an engine state dict) as one sharded checkpoint."""
+    tensors, scalars, cut = _written_part(state)
     tensors.update({f"rng.{k}": v for k, v in state["rng"].items()})
     if rank == 0:
         tensors.update({f"buffer.{k}": v for k, v in state["buffers"].items()})
-    rank_meta = {"opt_ranges": [list(r) for r in write], "segments": segments,
-                 "param_groups": state["optimizer"]["param_groups"], "scalar_state": scalars}
+    meta_in = state["meta"]
+    rank_meta = {**cut, "param_groups": state["optimizer"]["param_groups"],
+                 "scalar_state": scalars}
     try:
         json.dumps(client_state)
     except TypeError as e:
@@ -112,6 +81,41 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
             "scaler": state["scaler"], **state["counters"], "run_id": run_id,
             "client_state": client_state}
     return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name)
+
+
+def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any], dict]:
+    """(tensors, scalar optimizer state, cut) of what this rank writes: of each unit only
+    its `write_ranges` — all it holds at stages 1–3, its shard of the replicated state at
+    stage 0 — and the cut (`opt_ranges`, `segments`) describing exactly that, which is
+    all a reader goes by. Optimizer tensors reaching outside the master range (Muon's
+    owners hold whole matrices) are written whole: no other rank has them."""
+    cut = state["meta"]["rank_layout"]
+    held = [tuple(r) for r in cut["opt_ranges"]]
+    write = [tuple(r) for r in cut.get("write_ranges", held)]
+    tensors: dict[str, Tensor] = {}
+    for k, v in state["strategy"].items():
+        if k.startswith("master."):
+            ui = int(k.split(".")[1])
+            (lo, _), (a, b) = held[ui], write[ui]
+            v = v[a - lo:b - lo]
+        tensors[f"strategy.{k}"] = v
+    segments = []
+    for ui, a, b, shape in cut["segments"]:
+        x, y = (a, b) if write[ui] == held[ui] else (max(a, write[ui][0]), min(b, write[ui][1]))
+        y = max(x, y)
+        segments.append([ui, a, b, shape] if (x, y) == (a, b) else [ui, x, y, [y - x]])
+    scalars: dict[str, Any] = {}
+    for idx, st in state["optimizer"]["state"].items():
+        a = cut["segments"][idx][1]
+        _, x, y, _ = segments[idx]
+        if x == y:  # none of this tensor is this rank's to write
+            continue
+        for n, v in st.items():
+            if not isinstance(v, Tensor):
+                scalars[f"{idx}.{n}"] = v
+            else:
+                tensors[f"optim.{idx}.{n}"] = v.reshape(-1)[x - a:y - a] if v.ndim else v
+    return tensors, scalars, {"opt_ranges": [list(r) for r in write], "segments": segments}
 
 
 # ----------------------------------------------------------------------------- load
@@ -224,7 +228,7 @@ def _resliced(ckpt: Path, meta: dict, template: dict, rng_rank: int | None
             state[idx] = st
     rng = {} if rng_rank is None else saved.rank_tensors(rng_rank, "rng.")
     return {"strategy": strategy, "optimizer": {"state": state}, "rng": rng,
-            "buffers": saved.rank_tensors(0, "buffer.")}
+            "buffers": saved.buffers()}
 
 
 # ----------------------------------------------------------------------------- checks
