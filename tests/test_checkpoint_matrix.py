@@ -406,5 +406,5 @@ def test_duplicated_stage0_checkpoints_still_load(matrix, tmp_path):
                               js.name: hashlib.sha256(js.read_bytes()).hexdigest()})
     (bad / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"saved different copies of .* it is "
-                       r"inconsistent: resume from another checkpoint"):
+                       r"inconsistent: use another checkpoint \(an earlier step_\* folder\)"):
         consolidate(bad)

@@ -121,7 +121,8 @@ class SavedShards:
                                    self._slice(r, key, x - lo, z - lo)):
                     raise CheckpointError(
                         f"the ranks of this checkpoint saved different copies of '{name}' "
-                        f"({kind}); it is inconsistent: resume from another checkpoint")
+                        f"({kind}); it is inconsistent: use another checkpoint (an earlier "
+                        "step_* folder)")
             if y > pos:
                 parts.append(self._slice(r, key, pos - lo, y - lo))
                 pos = y
