@@ -230,3 +230,68 @@ def test_bad_checkpoints(tmp_path):
     (resolve(ck) / "rank00000.safetensors").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
         Engine(GPT(cfg.model), cfg).load_checkpoint(ck)
+
+
+_LLAMA = ["--model.arch", "llama", "--model.n_layer", "2", "--model.n_embd", "32",
+          "--model.n_head", "2", "--model.block_size", "32", "--data.micro_batch_size", "4",
+          "--schedule.warmup_steps", "0", "--checkpoint.every", "2", "--logging.eval_every",
+          "0", "--logging.sample_tokens", "0", "--logging.progress", "false",
+          "--logging.log_every", "1", "--train.threads", "1"]
+
+
+def _ckpt_bytes(path) -> int:
+    return sum(f.stat().st_size for f in resolve(path).iterdir())
+
+
+@pytest.mark.slow
+def test_cli_two_rank_stage0_checkpoint_exports_and_resumes_at_one_and_three(tmp_path):
+    """The new user's path: `train --nproc 2` at the default stage 0 (DDP), then `export`
+    (plain and --format hf) and `--resume` at 1 and 3 ranks. Each rank wrote its slice of
+    the replicated state, so the checkpoint is the 1-rank one's size up to metadata."""
+    import math
+
+    from zerotrain.cli import main
+    from zerotrain.models.hf_export import hf_name
+
+    from zero_harness import corpus
+
+    args = [*_LLAMA, "--data.path", corpus(tmp_path)]
+
+    def launch(run: str, nproc: int, steps: int, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "zerotrain", "train", *args, "--nproc",
+                               str(nproc), "--train.steps", str(steps), "--logging.run_dir",
+                               str(tmp_path / run), *extra], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    r = launch("two", 2, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = resolve(tmp_path / "two")
+    # the master weights as the rank files hold them, read without zerotrain's reader:
+    # rank 0's slice of each unit, then rank 1's
+    units = json.loads((ck / "meta.json").read_text())["layout"]["units"]
+    files = [load_file(str(ck / f"rank{r:05d}.safetensors")) for r in (0, 1)]
+    want = {}
+    for i, unit in enumerate(units):
+        flat = torch.cat([f[f"strategy.master.{i}"] for f in files])
+        assert flat.numel() == unit["padded_numel"]  # on disk once, not once per rank
+        for name, shape, off, _g in unit["params"]:
+            want[name] = flat[off:off + math.prod(shape)].view(shape)
+    assert main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "m.safetensors")]) == 0
+    got = load_file(str(tmp_path / "m.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert main(["export", str(tmp_path / "two"), "--format", "hf",
+                 "--out", str(tmp_path / "hf")]) == 0
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(torch.equal(got[hf_name("llama", k)[0]], v) for k, v in want.items())
+    # resumed at one rank (in this process) and at three
+    assert main(["train", *args, "--train.steps", "4", "--logging.run_dir",
+                 str(tmp_path / "one"), "--resume", str(tmp_path / "two")]) == 0
+    r = launch("three", 3, 4, "--resume", str(tmp_path / "two"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "at step 2 (resharded)" in r.stdout
+    for run in ("one", "three"):
+        losses = train_losses(tmp_path / run)
+        assert sorted(losses) == [3, 4] and all(math.isfinite(v) for v in losses.values())
+    # sizes: each extra rank adds its RNG state (5 KiB), its JSON and a safetensors header
+    one, two, three = (_ckpt_bytes(tmp_path / run) for run in ("one", "two", "three"))
+    assert 0 < two - one < 10_000 and 0 < three - two < 10_000, (one, two, three)

@@ -32,12 +32,13 @@ MIXED_ADAMW = BytesPerParam(params=2, grads=2, master=4, optimizer=8)
 
 def test_stage0_by_hand():
     # buffers of 10 and 6 elements, fp32 AdamW, N = 2: nothing sharded.
-    # states: params 4·16 + grads 4·16 + Adam 8·16 = 256; save adds Adam 128 + params 64.
+    # states: params 4·16 + grads 4·16 + Adam 8·16 = 256; save adds this rank's shard
+    # (5 + 3 elements) of Adam 8·8 and params 4·8.
     got = phase_estimates([10, 6], 2, 0, FP32_ADAMW, activations=7, largest_param=3)
     assert got == {"init": 128,                # no Adam states before the first step
                    "forward": 256 + 7,
                    "backward": 256 + 7 + 3 * 4,  # + autograd's fresh gradient of 3 elements
-                   "step": 256, "save": 256 + 128 + 64}
+                   "step": 256, "save": 256 + 64 + 32}
 
 
 def test_stage2_by_hand_with_pool_runtime_and_retention():

@@ -1,12 +1,13 @@
 """Reading a checkpoint cut one way as if it were cut another way.
 
-Each rank saved exactly what it owns: its master-weight range of every unit and the
-optimizer state of its optimizer tensors, each tensor flat, plus a table saying which
-flat range of which unit each one covers. `SavedShards` indexes that, so any flat range
-of any parameter's weights or optimizer state can be read back — from only the files
-and byte ranges that hold it (safetensors slices), never whole files in memory. That
-gives resharding (another world size or stage: read this rank's new ranges), export and
-sampling (read everything), without the model.
+Each rank saved exactly what it owns — its master-weight range of every unit and the
+optimizer state of its optimizer tensors, each tensor flat — plus a table saying which
+flat range of which unit each one covers. Where every rank holds everything (stage 0),
+each saved its shard of it, so every element is in one file. `SavedShards` indexes
+that, so any flat range of any parameter's weights or optimizer state can be read back
+— from only the files and byte ranges that hold it (safetensors slices), never whole
+files in memory. That gives resharding (another world size or stage: read this rank's
+new ranges), export and sampling (read everything), without the model.
 """
 
 from __future__ import annotations
@@ -96,18 +97,36 @@ class SavedShards:
         return out
 
     def read(self, kind: str, name: str, a: int, b: int) -> Tensor:
-        """Flat elements [a, b) of parameter `name`'s weights ("master") or state `kind`."""
+        """Flat elements [a, b) of parameter `name`'s weights ("master") or state `kind`.
+
+        Each element is read once. Stage-0 checkpoints saved at N > 1 ranks before the
+        replicated state was written once hold N copies of it; those overlapping copies
+        are compared and read once (a difference is an error, never a silent choice).
+        """
         if name not in self.where:
             raise CheckpointError(f"the checkpoint has no tensor for '{name}'")
         ui, off, _ = self.where[name]
         lo_, hi_ = off + a, off + b
-        parts, covered = [], 0
+        parts: list[Tensor] = []
+        pos = lo_  # everything before it is read
         for lo, hi, r, key in sorted(self.pieces.get((kind, ui), [])):
             x, y = max(lo_, lo), min(hi_, hi)
-            if x < y:
-                parts.append(self._slice(r, key, x - lo, y - lo))
-                covered += y - x
-        if covered != b - a:
+            if x >= y:
+                continue
+            if x > pos:
+                break  # a gap no piece covers
+            if x < pos:  # another rank's copy of elements already read (see the docstring)
+                z = min(y, pos)
+                if not torch.equal(torch.cat(parts)[x - lo_:z - lo_],
+                                   self._slice(r, key, x - lo, z - lo)):
+                    raise CheckpointError(
+                        f"the ranks of this checkpoint saved different copies of '{name}' "
+                        f"({kind}); it is inconsistent: use another checkpoint (an earlier "
+                        "step_* folder)")
+            if y > pos:
+                parts.append(self._slice(r, key, pos - lo, y - lo))
+                pos = y
+        if pos != hi_:
             raise CheckpointError(f"the checkpoint has no {kind} state for '{name}'")
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -125,11 +144,14 @@ class SavedShards:
         names |= {k for (k, p) in self.scalars if p in params}
         return sorted(names)
 
-    def buffers(self) -> dict[str, Tensor]:
-        f = self._open(0)
+    def rank_tensors(self, r: int, prefix: str) -> dict[str, Tensor]:
+        """Rank r's whole tensors named `prefix`… (buffers on rank 0, each rank's RNG)."""
+        f = self._open(r)
         keys = list(f.keys())  # a safetensors handle, not a dict
-        return {k.removeprefix("buffer."): f.get_tensor(k) for k in keys
-                if k.startswith("buffer.")}
+        return {k.removeprefix(prefix): f.get_tensor(k) for k in keys if k.startswith(prefix)}
+
+    def buffers(self) -> dict[str, Tensor]:
+        return self.rank_tensors(0, "buffer.")
 
 
 # ----------------------------------------------------------------------------- full weights

@@ -2,11 +2,14 @@
 
 `save(state, ...)` flattens an engine-shaped state dict into this rank's safetensors
 file (tensors, optimizer tensors flat) and JSON (its cut of the layout, optimizer groups,
-scalars); rank 0 adds the manifest. `load(path, template, rank)` returns a state dict
-shaped like `template` (the running engine's own `state_dict()`): read straight from
-this rank's file when the layout is the same, cut again from every rank's files
-(`reshard.py`) when the world size or stage differ. This module never sees the engine
-itself, only state dicts.
+scalars); rank 0 adds the manifest. A rank writes only its `write_ranges` (its shard:
+replicated stage-0 state is written once, split across the ranks).
+
+`load(path, template, rank)` returns a state dict shaped like `template` (the running
+engine's own `state_dict()`): read straight from this rank's file when it holds exactly
+this rank's cut, cut again from every rank's files (`reshard.py`) otherwise — another
+world size or stage, or stage 0 at N > 1. This module never sees the engine itself,
+only state dicts.
 
 One rule for what a resume takes from where: the checkpoint gives the *state* (weights,
 optimizer moments and step counts, loss scale, counters, RNG when the world size is the
@@ -63,19 +66,12 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
          keep: int, run_id: str | None = None, client_state: Any = None,
          name: str | None = None) -> Path:
     """Collective: write `state` (an engine state dict) as one sharded checkpoint."""
-    tensors: dict[str, Tensor] = {f"strategy.{k}": v for k, v in state["strategy"].items()}
-    scalars: dict[str, Any] = {}
-    for idx, st in state["optimizer"]["state"].items():
-        for n, v in st.items():
-            if isinstance(v, Tensor):
-                tensors[f"optim.{idx}.{n}"] = v.reshape(-1) if v.ndim else v
-            else:
-                scalars[f"{idx}.{n}"] = v
+    tensors, scalars, cut = _written_part(state)
     tensors.update({f"rng.{k}": v for k, v in state["rng"].items()})
     if rank == 0:
         tensors.update({f"buffer.{k}": v for k, v in state["buffers"].items()})
     meta_in = state["meta"]
-    rank_meta = {**meta_in["rank_layout"], "param_groups": state["optimizer"]["param_groups"],
+    rank_meta = {**cut, "param_groups": state["optimizer"]["param_groups"],
                  "scalar_state": scalars}
     try:
         json.dumps(client_state)
@@ -89,6 +85,41 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
     return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name)
 
 
+def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any], dict]:
+    """(tensors, scalar optimizer state, cut) of what this rank writes: of each unit only
+    its `write_ranges` — all it holds at stages 1–3, its shard of the replicated state at
+    stage 0 — and the cut (`opt_ranges`, `segments`) describing exactly that, which is
+    all a reader goes by. Optimizer tensors reaching outside the master range (Muon's
+    owners hold whole matrices) are written whole: no other rank has them."""
+    cut = state["meta"]["rank_layout"]
+    held = [tuple(r) for r in cut["opt_ranges"]]
+    write = [tuple(r) for r in cut.get("write_ranges", held)]
+    tensors: dict[str, Tensor] = {}
+    for k, v in state["strategy"].items():
+        if k.startswith("master."):
+            ui = int(k.split(".")[1])
+            (lo, _), (a, b) = held[ui], write[ui]
+            v = v[a - lo:b - lo]
+        tensors[f"strategy.{k}"] = v
+    segments = []
+    for ui, a, b, shape in cut["segments"]:
+        x, y = (a, b) if write[ui] == held[ui] else (max(a, write[ui][0]), min(b, write[ui][1]))
+        y = max(x, y)
+        segments.append([ui, a, b, shape] if (x, y) == (a, b) else [ui, x, y, [y - x]])
+    scalars: dict[str, Any] = {}
+    for idx, st in state["optimizer"]["state"].items():
+        a = cut["segments"][idx][1]
+        _, x, y, _ = segments[idx]
+        if x == y:  # none of this tensor is this rank's to write
+            continue
+        for n, v in st.items():
+            if not isinstance(v, Tensor):
+                scalars[f"{idx}.{n}"] = v
+            else:
+                tensors[f"optim.{idx}.{n}"] = v.reshape(-1)[x - a:y - a] if v.ndim else v
+    return tensors, scalars, {"opt_ranges": [list(r) for r in write], "segments": segments}
+
+
 # ----------------------------------------------------------------------------- load
 
 
@@ -100,24 +131,30 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
     check_model(meta["layout"], template["meta"]["layout"],
                 order=list(template["meta"]["aliases"].values()))
     reset = check_optimizer(meta, template["meta"]["optimizer"], reset_optimizer)
-    same = (meta["layout"]["units"] == template["meta"]["layout"]["units"]
-            and meta["world_size"] == template["meta"]["layout"]["world_size"])
+    layout = template["meta"]["layout"]
+    same_world = meta["world_size"] == layout["world_size"]
+    same = same_world and meta["layout"]["units"] == layout["units"]
+    topology = same and meta["layout"].get("stage") == layout.get("stage")
     tensors: dict[str, Tensor] = {}
     rmeta: dict[str, Any] = {}
     if same:
         tensors, rmeta = _read_rank(ckpt, meta, rank)
         # the same units can still be cut differently for the optimizer (e.g. Muon keeps
-        # per-matrix tensors); that follows from layout and optimizer alone, so every
-        # rank takes the same branch
+        # per-matrix tensors), or written in parts (stage 0 at N > 1: each rank wrote a
+        # slice of the replicated state); that follows from layout and optimizer alone,
+        # so every rank takes the same branch
         same = _cut(rmeta) == _cut(template["meta"]["rank_layout"])
-    sd = _same_layout(tensors, rmeta, template) if same else _resliced(ckpt, meta, template)
+    if same:
+        sd = _same_layout(tensors, rmeta, template)
+    else:  # the RNG streams carry over where rank r of the checkpoint is rank r here
+        sd = _resliced(ckpt, meta, template, rank if same_world else None)
     if reset:
         sd["optimizer"] = {"state": {}}
     sd.update(scaler=meta["scaler"],
               counters={"global_step": int(meta["global_step"]),
                         "micro_step": int(meta["micro_step"]),
                         "spike_guard": meta.get("spike_guard")})
-    info = Loaded(ckpt, meta, not same, reset, meta.get("client_state"),
+    info = Loaded(ckpt, meta, not topology, reset, meta.get("client_state"),
                   config_changes(meta.get("config", {}), template["meta"]["config"]))
     return sd, info
 
@@ -162,10 +199,12 @@ def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dic
             "buffers": buffers}
 
 
-def _resliced(ckpt: Path, meta: dict, template: dict) -> dict[str, Any]:
+def _resliced(ckpt: Path, meta: dict, template: dict, rng_rank: int | None
+              ) -> dict[str, Any]:
     """Cut every rank's saved shards along the template's layout, reading only this
-    rank's ranges. The RNG is not carried over: rank r of another world size is
-    another stream."""
+    rank's ranges. The RNG comes from rank `rng_rank`'s file when given (the same world
+    size); otherwise it is not carried over: rank r of another world size is another
+    stream."""
     saved = SavedShards(ckpt, meta)
     layout, cut = template["meta"]["layout"], template["meta"]["rank_layout"]
     strategy: dict[str, Tensor] = {}
@@ -189,7 +228,8 @@ def _resliced(ckpt: Path, meta: dict, template: dict) -> dict[str, Any]:
                 st[name] = gather_range(unit, a, b, saved.reader(name), dtype).view(shape)
         if st:
             state[idx] = st
-    return {"strategy": strategy, "optimizer": {"state": state}, "rng": {},
+    rng = {} if rng_rank is None else saved.rank_tensors(rng_rank, "rng.")
+    return {"strategy": strategy, "optimizer": {"state": state}, "rng": rng,
             "buffers": saved.buffers()}
 
 

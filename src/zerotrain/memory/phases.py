@@ -32,7 +32,8 @@ ZeRO table plus what each phase adds. The engine measures the same phases
   tensors: the compiled optimizer's inductor runtime (`COMPILE_RUNTIME_BYTES`, when
   `optimizer.compile` resolves true).
 - **save** — one serialised copy of this rank's checkpoint tensors (safetensors turns
-  every tensor into bytes before writing).
+  every tensor into bytes before writing): its shard at every stage (stage 0's ranks
+  split the writing of the replicated state).
 - **allocator retention** (`retention`, a fraction, CPU only) — glibc serves blocks under
   its mmap threshold (dynamic, at most 32 MiB) from heaps it keeps after they are freed;
   activations, per-parameter gradients and collective staging buffers of that size leave
@@ -120,10 +121,13 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
     gathered = (2 if prefetch else 1) * unit
     pool = bucket_pool_numel(buffer_numels, world, in_flight) * reduce_bytes if stage >= 2 else 0
     held = states + pool + runtime  # from the first backward/step on, for good
-    saved = est.host["master"] + est.device["master"] + optimizer
-    if bpp.master == 0 and not offload:  # fp32: this rank's parameters are its master
-        owned = [shard_numel(n, world) for n in buffer_numels] if stage else buffer_numels
-        saved += bpp.params * sum(owned)
+    shard = sum(shard_numel(n, world) for n in buffer_numels)
+    if stage == 0:  # a rank writes only its shard of the replicated state (write_range)
+        saved = (bpp.optimizer + (bpp.master or bpp.params)) * shard
+    else:
+        saved = est.host["master"] + est.device["master"] + optimizer
+        if bpp.master == 0 and not offload:  # fp32: this rank's parameters are its master
+            saved += bpp.params * shard
     grads = est.device["grads"] + est.host["grads"] if lazy_grads and stage >= 2 else 0
     live = {
         "init": states - optimizer - grads + (

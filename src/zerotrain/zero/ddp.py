@@ -3,6 +3,9 @@
 Gradients accumulate in full (`FullGrads`); a unit's all-reduce starts as soon as its
 last gradient lands (overlapping the rest of the backward), and only on the
 accumulation boundary: earlier micro-steps just accumulate locally.
+
+Checkpoints: every rank holds the whole state, but each writes only its shard of it
+(`write_range`, zero/state.py), so a checkpoint holds it once whatever the rank count.
 """
 
 from __future__ import annotations

@@ -11,12 +11,15 @@ size or stage — or a pretrained file — comes in.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from zerotrain.zero.flat import gather_range
+
+if TYPE_CHECKING:
+    from zerotrain.zero.unit import Unit
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
 
@@ -35,10 +38,21 @@ class StrategyState:
 
     def rank_layout(self) -> dict[str, Any]:
         """Plain JSON, this rank's cut: the master range of each unit, and per optimizer
-        tensor (in optimizer order) [unit, start, end, shape]."""
+        tensor (in optimizer order) [unit, start, end, shape]; and the range of each unit
+        this rank writes into a checkpoint (`write_range`)."""
         return {"opt_ranges": [list(self.opt_range(u)) for u in self.units],
                 "segments": [[s.unit, s.start, s.end, list(v.shape)]
-                             for s, v in self.opt_segments]}
+                             for s, v in self.opt_segments],
+                "write_ranges": [list(self.write_range(u)) for u in self.units]}
+
+    def write_range(self, u: Unit) -> tuple[int, int]:
+        """The part of `opt_range(u)` this rank writes into a checkpoint: its shard.
+
+        Sharded stages write all they own. Stage 0 holds the whole unit on every rank;
+        writing all of it N times would put N copies on disk (and make every reader
+        choose among them), so the ranks split the writing along the shard boundaries:
+        the replicated state is on disk once, written by all ranks in parallel."""
+        return u.shard_range
 
     def state_dict(self) -> dict[str, Tensor]:
         return {f"master.{u.index}": u.master for u in self.units}
