@@ -1,0 +1,209 @@
+"""The third GPU review (`shared/findings/gpu-review-2.md`, issue 21 §2), on the CPU.
+
+Each defect is reproduced by the contract it breaks on CUDA: the stand-in accelerator
+(`simdevice.py`, whose tensors refuse every mixing op CUDA refuses), patched CUDA device
+queries, recorded collective order, and gloo groups for the lifecycle items.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from simdevice import SIM, SimDevice, SimTensor
+
+# ----------------------------------------------------------------------------- stand-in
+
+
+def _refused(fn) -> bool:
+    try:
+        fn()
+    except RuntimeError as e:
+        assert "Expected all tensors to be on the same device" in str(e), e
+        return True
+    return False
+
+
+def test_the_stand_in_refuses_what_cuda_refuses_and_allows_what_it_allows():
+    """CUDA's rule: devices never mix, except copies between them, a 0-d CPU tensor read
+    as a scalar by an elementwise op, and CPU index tensors in advanced indexing."""
+    with SimDevice():
+        s = torch.arange(4.0).to("meta")
+        cpu, scalar = torch.ones(4), torch.tensor(2.0)
+        assert isinstance(s, SimTensor) and s.device == SIM
+        refused = {
+            "stack with a 0-d CPU tensor": lambda: torch.stack([s[0], scalar]),
+            "cat": lambda: torch.cat([s, cpu]),
+            "cat with a 0-d CPU tensor": lambda: torch.cat([s[:1], scalar.reshape(1)]),
+            "elementwise with a CPU vector": lambda: s + cpu,
+            "a 0-d CPU tensor written by a device op": lambda: scalar.add_(s[0]),
+            "index_select with a CPU index": lambda: torch.index_select(s, 0, torch.tensor([1])),
+            "matmul": lambda: s @ cpu,
+            "foreach with CPU vectors": lambda: torch._foreach_add_([s], [cpu]),
+            "where with a CPU vector": lambda: torch.where(s > 1, s, cpu),
+        }
+        for what, fn in refused.items():
+            assert _refused(fn), what
+        allowed = {
+            "0-d CPU scalar operand": lambda: s * scalar,
+            "0-d CPU scalar on the left": lambda: scalar + s,
+            "fill_ from a 0-d CPU tensor": lambda: s.clone().fill_(scalar),
+            "foreach with a 0-d CPU scalar": lambda: torch._foreach_mul_([s.clone()], scalar),
+            "copy device <- CPU": lambda: s.clone().copy_(cpu),
+            "copy CPU <- device": lambda: cpu.clone().copy_(s),
+            "advanced indexing with a CPU index": lambda: s[torch.tensor([0, 2])],
+            "to the CPU": lambda: s.cpu(),
+        }
+        for what, fn in allowed.items():
+            assert not _refused(fn), what
+        assert torch.equal(s[torch.tensor([0, 2])].cpu(), torch.tensor([0.0, 2.0]))
+        assert torch.equal((scalar + s).cpu(), torch.arange(4.0) + 2)
+        out = cpu.clone()
+        assert out.copy_(s) is out and torch.equal(out, torch.arange(4.0))
+
+
+# ----------------------------------------------------------------------------- N1
+
+
+class _HostComm:
+    """all_reduce_scalars of one rank (the MAX over ranks is the identity here)."""
+
+    device = torch.device("cpu")
+
+    def all_reduce_scalars(self, t, op="sum"):
+        return t.detach().to("cpu", torch.float64)
+
+
+def test_fp8_refresh_at_two_ranks_on_a_device():
+    """N1: at 2 ranks each rank holds pieces of only some FP8 weights; the amax vector
+    stacked device amaxes with a CPU zero for the others, which CUDA refuses."""
+    from zerotrain.zero.flat import FlatUnit
+    from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (nn.Parameter(torch.randn(64, 64, generator=g)) for _ in range(2))
+    named = [("blk.q.weight", a, 0), ("blk.o.weight", b, 0)]
+    packed = {}
+    for dev in ("cpu", "meta"):
+        u = FlatUnit.build(0, "blk", named, world_size=2, rank=0, align=8)
+        u.wire = Fp8Wire(u, {"blk.q.weight", "blk.o.weight"}, 2)
+        full = torch.cat([a.detach().flatten(), b.detach().flatten()]).bfloat16()
+        lo, hi = u.shard_range
+        with SimDevice():
+            u.shard = full[lo:hi].clone().to(dev)
+            # rank 0's shard covers q only: o's amax comes from the other rank
+            assert {p.fp8 for p in u.wire.chunks[0] if p.fp8} == {"blk.q.weight"}
+            refresh_all([u], _HostComm())
+            assert u.wire.send.device.type == dev
+            packed[dev] = u.wire.send.cpu()
+    assert torch.equal(packed["cpu"], packed["meta"])
+
+
+# ----------------------------------------------------------------------------- N2
+
+_LAUNCH_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "SLURM_LOCALID",
+                "OMPI_COMM_WORLD_LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+
+
+def _visible_gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    for v in _LAUNCH_VARS:
+        monkeypatch.delenv(v, raising=False)
+
+
+def _device_of_this_rank(monkeypatch, env: dict[str, str]) -> torch.device:
+    from zerotrain.comm import dist as zdist
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return zdist.pick_device("auto", zdist.local_rank())
+
+
+def test_each_rank_sees_only_its_own_gpu(monkeypatch):
+    """N2, the review's three cases with one visible GPU per rank (SLURM per-task GPUs,
+    Kubernetes): torchrun's variables with 8 local ranks, an srun wrapper without
+    LOCAL_WORLD_SIZE, and a launcher that sets only the global RANK on node 2. Each rank
+    takes its one GPU, cuda:0 (before: a ConfigError, cuda:3, cuda:11)."""
+    cases = [{"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "RANK": "3"},
+             {"LOCAL_RANK": "3", "RANK": "3"},
+             {"RANK": "11"}]
+    for env in cases:
+        _visible_gpus(monkeypatch, 1)
+        assert _device_of_this_rank(monkeypatch, env) == torch.device("cuda", 0), env
+
+
+def test_the_node_local_rank_wins_over_the_global_rank(monkeypatch):
+    """On node 2 of a multi-node job, RANK is global; SLURM and Open MPI say the local
+    index, and that picks the GPU."""
+    from zerotrain.comm import dist as zdist
+
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        _visible_gpus(monkeypatch, 8)
+        dev = _device_of_this_rank(monkeypatch, {"RANK": "13", var: "5"})
+        assert dev == torch.device("cuda", 5), var
+        assert zdist.local_rank_source() == var
+    _visible_gpus(monkeypatch, 8)
+    assert _device_of_this_rank(monkeypatch, {"RANK": "6"}) == torch.device("cuda", 6)
+
+
+def test_a_rank_beyond_several_visible_gpus_is_one_error(monkeypatch):
+    from zerotrain.comm import dist as zdist
+    from zerotrain.config import ConfigError
+
+    _visible_gpus(monkeypatch, 4)
+    with pytest.raises(ConfigError, match=r"local rank 11 \(from RANK\).*4 GPUs "
+                       r"\(CUDA_VISIBLE_DEVICES=0,1,2,3\).*LOCAL_RANK.*CUDA_VISIBLE_DEVICES"):
+        _device_of_this_rank(monkeypatch, {"RANK": "11", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    # the "N ranks > M GPUs" check belongs to the launcher, which knows the ranks share
+    # its GPU list: a rank given LOCAL_WORLD_SIZE=8 with one visible GPU is isolated
+    _visible_gpus(monkeypatch, 1)
+    with pytest.raises(ConfigError, match="8 local ranks but 1 visible GPU"):
+        zdist.pick_device("auto", 0, local_world=8)
+
+
+# ----------------------------------------------------------------------------- N3
+
+
+def _first_unit_is_padding_here(eng) -> list[str]:
+    """Probe: Offload-on-GPU's unit-by-unit step, with rank 1's share of unit 0 all
+    padding (no optimizer segments there, as for a unit smaller than the world); record
+    every collective and optimizer step in order."""
+    s, comm, order = eng.strategy, eng.comm, []
+    s.step_by_unit = True
+    if s.rank == 1:
+        s.opt_segments = [sv for sv in s.opt_segments if sv[0].unit != 0]
+    native, step = comm._native, eng.optimizer.step
+
+    def spy(fn, name, *args, **kw):
+        order.append(name)
+        return native(fn, name, *args, **kw)
+
+    comm._native = spy
+    eng.optimizer.step = lambda *a, **k: (order.append("step"), step(*a, **k))[1]
+    return order
+
+
+def _collective_order(cases: list[dict]) -> list[list[str]]:
+    from zero_harness import run_many
+
+    return [r["probe"] for r in run_many(cases, 3, probe=_first_unit_is_padding_here)]
+
+
+def test_the_compile_vote_comes_before_any_publish_on_every_rank():
+    """N3: the vote (a MAX all-reduce) runs at the top of the optimizer step on all
+    ranks, so the collective order is the same on a rank that skips unit 0's update.
+    (Before: rank 1 published unit 0 — an all-gather — before voting; the lockstep guard
+    of the harness turns that into an error.)"""
+    from multirank import run_ranks
+
+    cases = [{"zero": {"stage": 2, "offload_optimizer": "cpu"}}]
+    r0, r1 = run_ranks(_collective_order, 2, cases)
+    for a, b in zip(r0, r1):
+        collectives = [x for x in a if x != "step"]
+        assert collectives == [x for x in b if x != "step"]
+        # the vote: the first collective after the gradient reduce-scatters of step 1
+        first = collectives.index("all_gather")
+        assert "all_reduce_scalars" in collectives[:first]
+        assert a.count("step") == b.count("step") + 3  # rank 1 skipped unit 0, 3 steps
