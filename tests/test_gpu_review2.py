@@ -207,3 +207,221 @@ def test_the_compile_vote_comes_before_any_publish_on_every_rank():
         first = collectives.index("all_gather")
         assert "all_reduce_scalars" in collectives[:first]
         assert a.count("step") == b.count("step") + 3  # rank 1 skipped unit 0, 3 steps
+
+
+# ----------------------------------------------------------------------------- N5
+
+
+def _groups_after_close() -> dict:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from zerotrain.comm.collectives import Comm
+
+    comm = Comm("ring", grad_group=True)
+    made = [comm._ring_group, comm._grad_group, comm._grad_ring_group]
+    before = [g in c10d._world.pg_map for g in made]
+    x = torch.ones(8)
+    comm.all_reduce(x)  # through the gradients' ring group
+    comm.close()
+    after = [g in c10d._world.pg_map for g in made]
+    comm.close()  # idempotent
+    y = torch.ones(1)
+    dist.all_reduce(y)  # the default group is not the Comm's to destroy
+    return {"distinct": len({id(g) for g in made}) == 3, "before": before, "after": after,
+            "groups_left": len(c10d._world.pg_map), "sum": float(x[0]), "default": float(y)}
+
+
+def test_close_destroys_every_group_the_comm_made():
+    """N5: close() destroyed only the ring group; the gradients' own groups (each an
+    NCCL communicator with device buffers) lived on, one or two more per Engine."""
+    from multirank import run_ranks
+
+    for res in run_ranks(_groups_after_close, 2):
+        assert res == {"distinct": True, "before": [True] * 3, "after": [False] * 3,
+                       "groups_left": 1, "sum": 2.0, "default": 2.0}
+
+
+# ----------------------------------------------------------------------------- N7
+
+
+class _PublishEvent:
+    """Stands in for a unit's publish event: records whether the master was still the
+    one the publish read when the host waited on it."""
+
+    def __init__(self, u, log: list):
+        self.u, self.log, self.master = u, log, u.master.clone()
+
+    def synchronize(self) -> None:
+        self.log.append((self.u.index, torch.equal(self.u.master, self.master)))
+
+
+def test_muon_offload_fences_every_unit_before_writing_its_master():
+    """N7: under Muon + Offload the CPU writes matrix slices in `MuonOwners.apply`; a
+    unit holding only matrices has no elementwise segment, so `attach_grads` never
+    waited for its last publish copy. Every unit's fence must come before its write."""
+    from zerotrain.engine import Engine
+    from zerotrain.models.gpt import GPT
+
+    from zero_harness import batches, local_batch, make_config
+
+    cfg = make_config({"zero": {"stage": 2, "offload_optimizer": "cpu", "bucket_mb": 0.005},
+                       "optimizer": {"name": "muon"}, "comm": {"check_lockstep": False}},
+                      1, 3)
+    torch.manual_seed(0)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    s = eng.strategy
+    assert s.offload and s.muon is not None
+    matrix_only = [u.index for u in s.units
+                   if u.index not in {seg.unit for seg, _ in s.muon.elementwise}]
+    assert matrix_only, "the test needs a unit that holds matrices only"
+    log: list = []
+    for X, Y in batches(1):
+        eng.backward(eng(*local_batch(X, Y, 0, 1, cfg.data.micro_batch_size)))
+        for u in s.units:
+            u.published = _PublishEvent(u, log)
+        eng.step()
+    eng.close()
+    fenced = dict(log)
+    assert set(fenced) == {u.index for u in s.units}, (sorted(fenced), matrix_only)
+    assert all(fenced.values()), log  # each wait came before the unit's master changed
+
+
+# ----------------------------------------------------------------------------- N9
+
+
+class _FakeCudart:
+    """cudaHostRegister/Unregister that record their calls (the real ones need a GPU)."""
+
+    def __init__(self, fail: int = 0):
+        self.fail, self.registered, self.unregistered = fail, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        if self.fail:
+            return self.fail
+        self.registered.append((ptr, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_a_pinned_buffer_is_unregistered_when_its_memory_is_freed(monkeypatch):
+    """N9: registration lives exactly as long as the memory — views keep it, dropping
+    the last one unregisters (no close() needed); release_host_buffer unregisters once."""
+    import gc
+
+    from zerotrain.zero import offload
+
+    rt = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    t = offload.host_buffer(1000, torch.bfloat16, pinned=True)
+    ptr = t.data_ptr()
+    assert rt.registered == [(ptr, 2000)] and t.dtype == torch.bfloat16
+    assert t.numel() == 1000 and not t.any()
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert rt.unregistered == []  # a view still uses the memory
+    view.fill_(1.0)
+    del view
+    gc.collect()
+    assert rt.unregistered == [ptr]
+    u = offload.host_buffer(10, torch.float32, pinned=True)
+    offload.release_host_buffer(u)
+    offload.release_host_buffer(u)
+    del u
+    gc.collect()
+    assert rt.unregistered == [ptr, rt.registered[1][0]]  # once each
+
+
+def test_a_failed_registration_clears_the_cuda_error(monkeypatch):
+    from zerotrain.zero import offload
+
+    cleared = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(fail=712))
+    monkeypatch.setattr(offload, "clear_cuda_error", lambda: cleared.append(True))
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister failed \(712\) for 64 elements"):
+        offload.host_buffer(64, torch.float32, pinned=True)
+    assert cleared == [True] and not offload._REGISTERED
+
+
+# ----------------------------------------------------------------------------- minor
+
+
+def test_resharded_parameters_share_one_nan_per_dtype_and_device():
+    """zero/unit.py: every reshard pointed the parameters at a freshly filled NaN; now
+    one cached NaN per (dtype, device) serves every unit, still reading as NaN."""
+    from zerotrain.engine import Engine
+    from zerotrain.models.gpt import GPT
+    from zerotrain.zero.unit import nan_fill
+
+    from zero_harness import batches, local_batch, make_config
+
+    cfg = make_config({"zero": {"stage": 3, "param_persistence_threshold": 0}}, 1, 3)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    for X, Y in batches(2):
+        eng.backward(eng(*local_batch(X, Y, 0, 1, cfg.data.micro_batch_size)))
+        eng.step()
+    params = list(eng.module.parameters())
+    nan = nan_fill(params[0].dtype, torch.device("cpu"))
+    assert len(eng.strategy.units) > 2
+    assert {p.data_ptr() for p in params} == {nan.data_ptr()}
+    assert all(torch.isnan(p).all() for p in params)
+    eng.close()
+
+
+# ----------------------------------------------------------------------------- N11
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that reports `is_cuda` (what newton_schulz branches on)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_newton_schulz_uses_tf32_on_cuda_only_when_asked(monkeypatch):
+    """N11: in bf16 runs Muon's Newton–Schulz GEMMs (fp32 buffers) ran as IEEE fp32 on
+    CUDA — `tf32: auto` leaves half-precision runs alone. The engine now asks for TF32
+    locally there; CPU numerics are bit-identical and the caller's setting is restored."""
+    from zerotrain.optim import muon as M
+
+    g = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(M.newton_schulz(g, tf32=True), M.newton_schulz(g))  # CPU unchanged
+    seen: list[bool] = []
+    real = M.tf32_matmuls
+
+    def spy(on: bool):
+        seen.append(on)
+        return real(on)
+
+    monkeypatch.setattr(M, "tf32_matmuls", spy)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        M.newton_schulz(g, tf32=True)
+        M.newton_schulz(g.as_subclass(_OnCuda), tf32=False)
+        M.newton_schulz(g.as_subclass(_OnCuda), tf32=True)
+        assert seen == [False, False, True]  # TF32 only for a CUDA tensor, when asked
+        with real(True):
+            inside = torch.get_float32_matmul_precision()
+        assert inside == "high" and torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_the_engine_asks_for_tf32_newton_schulz_in_half_precision_runs():
+    from zerotrain.config import build_config
+    from zerotrain.engine import group_hyperparameters
+    from zerotrain.models.plan import Group
+
+    def ns_tf32(**precision):
+        cfg = build_config({"optimizer": {"name": "muon"}, "precision": precision})
+        return group_hyperparameters(cfg)[int(Group.MATRIX)]["ns_tf32"]
+
+    assert ns_tf32(dtype="bf16") is True
+    assert ns_tf32(dtype="bf16", tf32=False) is False  # IEEE asked for explicitly
+    assert ns_tf32(dtype="fp32") is False  # fp32 runs: precision.tf32 applies globally

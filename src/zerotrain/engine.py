@@ -74,6 +74,10 @@ def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
     }
     if cfg.optimizer.name == "muon":  # None: Muon for 2-D tensors, AdamW otherwise
         out[Group.MATRIX]["use_muon"] = None
+        # Newton–Schulz's fp32 GEMMs on TF32 tensor cores (CUDA only) in half-precision
+        # runs, unless precision.tf32 is false; fp32 runs follow precision.tf32 globally
+        p = cfg.precision
+        out[Group.MATRIX]["ns_tf32"] = p.dtype != "fp32" and p.tf32 is not False
         out[Group.VECTOR]["use_muon"] = False
         out[Group.EMBEDDING]["use_muon"] = False
     return {int(g): h for g, h in out.items()}

@@ -162,6 +162,10 @@ class Strategy(StrategyState):
         """Zeros where the optimizer's states live (the device, or the host under Offload)."""
         return torch.zeros(numel, dtype=dtype, device=self.host)
 
+    def fence_master(self, u: Unit) -> None:
+        """Before the host writes `u.master` (or what its publish reads): wait for the
+        last asynchronous publish of `u` to have read it (Offload on a GPU; else nothing)."""
+
     def write_master_into(self, u: Unit, dst: Tensor) -> None:
         if u.master.data_ptr() != dst.data_ptr():
             dst.copy_(u.master, non_blocking=True)
