@@ -425,3 +425,49 @@ def test_the_engine_asks_for_tf32_newton_schulz_in_half_precision_runs():
     assert ns_tf32(dtype="bf16") is True
     assert ns_tf32(dtype="bf16", tf32=False) is False  # IEEE asked for explicitly
     assert ns_tf32(dtype="fp32") is False  # fp32 runs: precision.tf32 applies globally
+
+
+# ----------------------------------------------------------------------------- N6
+
+
+def _slow_rank0_checkpoint(tmp: str, port: int) -> dict:
+    """Reopen the group as `zerotrain train` does (its rendezvous store, a 2 s timeout),
+    then save a checkpoint whose rank-0 finishing takes 4 s."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from zerotrain.checkpoint import io
+    from zerotrain.comm import dist as zdist
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    zdist.init_distributed("cpu", "gloo", timeout_s=2)
+    real = io._finish
+
+    def slow_finish(*args, **kwargs):
+        time.sleep(4)
+        return real(*args, **kwargs)
+
+    io._finish = slow_finish
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.monotonic()
+    final = io.save_sharded(tmp, 1, rank, world, {"w": torch.full((4,), float(rank))},
+                            {"rank": rank}, {"run_id": "x"}, keep=2)
+    waited = time.monotonic() - t0
+    x = torch.ones(1)
+    dist.all_reduce(x)  # the group is still healthy after the long solo wait
+    return {"final": str(final), "waited": waited, "sum": float(x)}
+
+
+def test_rank0_checkpoint_finishing_may_outlast_the_collective_timeout(tmp_path):
+    """N6: rank 0 alone writes meta.json, renames and prunes, while the others waited in
+    a collective barrier bound by comm.timeout_s (on NCCL a timeout aborts the process).
+    They now wait on the rendezvous store: 4 s of finishing under a 2 s timeout."""
+    from multirank import free_port, run_ranks
+
+    r0, r1 = run_ranks(_slow_rank0_checkpoint, 2, str(tmp_path), free_port())
+    assert r1["waited"] > 3.5 and r0["sum"] == r1["sum"] == 2.0
+    assert r0["final"] == r1["final"] == str(tmp_path / "step_00000001")
+    assert (tmp_path / "step_00000001" / "meta.json").is_file()

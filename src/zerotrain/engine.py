@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Comm
-from zerotrain.comm.dist import bind_device, init_distributed, launched_by_torchrun
+from zerotrain.comm.dist import (
+    bind_device,
+    init_distributed,
+    launched_by_torchrun,
+    patient_barrier,
+)
 from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
@@ -120,7 +125,7 @@ class Engine(DeepSpeedAPI):
             if config.precision.fp8.enabled else None
         groups = self.strategy.param_groups(group_hyperparameters(config))
         self.optimizer = build_optimizer(config.optimizer, groups,
-                                         agree=self.comm.any if self.world_size > 1 else None)
+                                         agree=self._agree if self.world_size > 1 else None)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps
         self.micro_step = 0
@@ -223,6 +228,13 @@ class Engine(DeepSpeedAPI):
         self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite or bool(spike),
                                   scale, skipped_total, spike, self._fp8_end_step())
         return self.last_info
+
+    def _agree(self, failed: bool) -> bool:
+        """The compile vote: True on every rank when `failed` on any. Each rank compiles
+        first (a cold compile can outlast comm.timeout_s, and on NCCL a timeout aborts),
+        so the ranks meet on the store before the vote's all-reduce."""
+        patient_barrier()
+        return self.comm.any(failed)
 
     def _fp8_end_step(self) -> dict | None:
         """Roll the delayed recipe's histories (one MAX all-reduce of every layer's amax, so

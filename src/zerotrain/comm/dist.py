@@ -183,18 +183,30 @@ PATIENT_TIMEOUT_S = 24 * 3600
 
 def patient_barrier(timeout_s: float = PATIENT_TIMEOUT_S) -> None:
     """A barrier for one rank's long solo work (rank 0 tokenizing a corpus, training a
-    BPE): it waits on the rendezvous store, so `comm.timeout_s` — sized for
-    collectives, which should never wait long — does not cut it short. Falls back to a
-    plain barrier when the caller opened the group (no store of ours)."""
+    BPE, finishing a checkpoint on a slow filesystem): it waits on the rendezvous store,
+    so `comm.timeout_s` — sized for collectives, which should never wait long — does not
+    cut it short. On NCCL that matters more: a collective that times out is not an error
+    there but the watchdog aborting the process. When the caller opened the group, its
+    default store serves (a plain barrier if even that is unavailable)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if _STORE is None:
+    store = _STORE if _STORE is not None else _default_store()
+    if store is None:
         dist.barrier()
         return
-    key = f"patient_barrier/{next(_PATIENT)}"
-    if _STORE.add(key, 1) == dist.get_world_size():
-        _STORE.set(key + "/all", "1")
-    _STORE.wait([key + "/all"], datetime.timedelta(seconds=timeout_s))
+    key = f"zerotrain/patient_barrier/{next(_PATIENT)}"
+    if store.add(key, 1) == dist.get_world_size():
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"], datetime.timedelta(seconds=timeout_s))
+
+
+def _default_store() -> dist.Store | None:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 def shutdown() -> None:
