@@ -471,3 +471,161 @@ def test_rank0_checkpoint_finishing_may_outlast_the_collective_timeout(tmp_path)
     assert r1["waited"] > 3.5 and r0["sum"] == r1["sum"] == 2.0
     assert r0["final"] == r1["final"] == str(tmp_path / "step_00000001")
     assert (tmp_path / "step_00000001" / "meta.json").is_file()
+
+
+# ----------------------------------------------------------------------------- N4
+
+
+def test_zero3_cuda_init_bound_by_hand():
+    """N4: ZeRO-3's per-parameter init makes each unit's full buffer empty (for the first
+    gather); on a CPU its pages are never touched, but on CUDA the caching allocator hands
+    the block out whole, and the never-zeroed gradient shard is resident too. Mixed
+    precision, N = 2, units of 10 and 6 elements (shards 5 + 3 = 8), widest parameter 4:
+    params 2·8 + grads 2·8 + master 4·8 = 64 bytes before Adam's states exist."""
+    from zerotrain.memory import BytesPerParam, phase_estimates
+
+    mixed = BytesPerParam(params=2, grads=2, master=4, optimizer=8)
+    cuda = phase_estimates([10, 6], 2, 3, mixed, largest_unit=10, init_piece=4)
+    cpu = phase_estimates([10, 6], 2, 3, mixed, largest_unit=10, init_piece=4,
+                          lazy_grads=True)
+    assert cuda["init"] == 64 + 2 * 4 + 2 * 10  # + scratch parameter + one unit buffer
+    assert cpu["init"] == 64 - 16 + 2 * 4      # no gradient shard, no unit buffer pages
+    assert cuda["step"] == cpu["step"]
+
+
+def test_the_estimator_states_the_cuda_init_bound():
+    """`zerotrain estimate` for a CUDA run: init = shard + master + gradient shard +
+    widest parameter + largest unit, each from the model's own buffers."""
+    from zerotrain.cli.estimate import predict_peaks
+    from zerotrain.config import build_config
+    from zerotrain.memory.states import shard_numel
+    from zerotrain.models import build_model
+
+    cfg = build_config({"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+                        "precision": {"dtype": "bf16"}})
+    widest = max(p.numel() for p in build_model(cfg.model, device="meta").parameters())
+    got = predict_peaks(cfg, 2, 3, device="cuda")
+    numels = got["buffer_numels"]
+    own = sum(shard_numel(n, 2) for n in numels)
+    assert got["baseline"] == 0
+    assert got["phases"]["init"] == own * (2 + 4 + 4) + 2 * (widest + max(numels))
+
+
+# ----------------------------------------------------------------------------- N10
+
+
+def _preempted_on_rank_one(tmp: str) -> dict:
+    """Train at 2 ranks; rank 1 alone gets a 'SIGTERM' during step 2."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import zerotrain.train as T
+    from zerotrain.comm.collectives import Comm
+    from zerotrain.lifecycle import Interrupted
+
+    from zero_harness import run_config
+
+    rank = dist.get_rank()
+
+    class SignalAtStep2(T.Preemption):
+        reads = 0
+
+        @property
+        def requested(self) -> bool:
+            SignalAtStep2.reads += 1
+            return rank == 1 and SignalAtStep2.reads >= 2  # read once per step
+
+        @requested.setter
+        def requested(self, value: bool) -> None:
+            pass
+
+    votes: list[tuple[str, bool]] = []
+    real = Comm.all_reduce
+
+    def spy(self, tensor, *, purpose="grads", async_op=False):
+        if purpose == "control":
+            votes.append((purpose, async_op))
+        return real(self, tensor, purpose=purpose, async_op=async_op)
+
+    T.Preemption, Comm.all_reduce = SignalAtStep2, spy
+    cfg = run_config(Path(tmp), "run", 50, every=0)
+    try:
+        T.train(cfg)
+        return {"interrupted": None}
+    except Interrupted as e:
+        return {"interrupted": e.step, "message": str(e), "votes": votes}
+
+
+def test_the_preemption_vote_is_async_and_every_rank_stops_together(tmp_path):
+    """N10: the per-step preemption vote was a blocking all-reduce (host → device, NCCL,
+    device → host: the device queue drained at every step boundary). It is now cast
+    without waiting and read at the next step: a signal during step 2 on one rank stops
+    every rank after step 3, with a checkpoint there to resume from."""
+    from multirank import run_ranks
+    from zero_harness import corpus
+
+    corpus(tmp_path)
+    r0, r1 = run_ranks(_preempted_on_rank_one, 2, str(tmp_path))
+    assert r0["interrupted"] == r1["interrupted"] == 3, (r0, r1)
+    assert r0["votes"] == r1["votes"] == [("control", True)] * 2  # steps 1, 2: async
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_00000003" and "checkpoint saved" in r0["message"]
+
+
+# ----------------------------------------------------------------------------- N8
+
+
+def test_quantize_without_counts_is_the_same_cast():
+    from zerotrain.numerics.formats import FP8_E4M3, FP8_E5M2
+    from zerotrain.numerics.fp8 import amax, quantize, scale_from_amax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g) * 30
+    x[0, :5] = 1e-9  # underflows
+    inputs = (x, x.bfloat16())
+    before = [t.clone() for t in inputs]
+    for t in inputs:
+        for fmt in (FP8_E4M3, FP8_E5M2):
+            s = scale_from_amax(amax(t) / 4, fmt)  # a scale that overflows, as delayed may
+            for saturate in (True, False):
+                s_ = s if saturate else scale_from_amax(amax(t), fmt)
+                q, counts = quantize(t, s_, fmt, saturate=saturate)
+                q2, none = quantize(t, s_, fmt, saturate=saturate, count=False)
+                assert none is None and counts is not None
+                assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(inputs, before))  # never scaled in place
+
+
+def _fp8_engine_run(count_every: int) -> dict:
+    from zerotrain.engine import Engine
+    from zerotrain.models.gpt import GPT
+
+    from zero_harness import batches, local_batch, make_config
+
+    cfg = make_config({"precision": {"dtype": "bf16", "fp8": {
+        "enabled": True, "recipe": "delayed", "amax_history": 4,
+        "count_every": count_every}}}, 1, 4)
+    torch.manual_seed(0)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    infos, losses = [], []
+    for X, Y in batches(4):
+        loss = eng(*local_batch(X, Y, 0, 1, cfg.data.micro_batch_size))
+        eng.backward(loss)
+        infos.append(eng.step().fp8)
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    eng.close()
+    return {"fp8": infos, "losses": losses, "params": params}
+
+
+def test_fp8_counts_only_on_counted_steps_and_nothing_else_changes():
+    """N8: the overflow/underflow counts cost extra passes per cast and a sync plus an
+    all-reduce per step; they are now taken every `count_every` steps (default: the
+    logged ones). Training is bit-identical and a counted step's counts are the same."""
+    every, some = _fp8_engine_run(1), _fp8_engine_run(3)
+    assert some["losses"] == every["losses"]
+    assert all(torch.equal(every["params"][k], some["params"][k]) for k in every["params"])
+    assert [c is None for c in some["fp8"]] == [True, True, False, False]  # steps 3, 4 (last)
+    assert some["fp8"][2] == every["fp8"][2] and some["fp8"][3] == every["fp8"][3]
+    assert all(c is not None for c in every["fp8"])

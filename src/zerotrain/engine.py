@@ -62,7 +62,7 @@ class StepInfo:
     loss_scale: float
     skipped_total: int
     spike: str | None = None  # why the spike guard skipped this step, if it did
-    fp8: dict | None = None   # FP8 overflow/underflow counts of this step, all ranks
+    fp8: dict | None = None   # FP8 overflow/underflow counts, all ranks (counted steps)
 
 
 def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
@@ -144,6 +144,8 @@ class Engine(DeepSpeedAPI):
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fp8 is not None:
+            self.fp8.counting = self.fp8_counts_at(self.global_step + 1)
         with self._phase("forward"):
             return self.module(*args, **kwargs)
 
@@ -228,6 +230,12 @@ class Engine(DeepSpeedAPI):
         self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite or bool(spike),
                                   scale, skipped_total, spike, self._fp8_end_step())
         return self.last_info
+
+    def fp8_counts_at(self, step: int) -> bool:
+        """Whether optimizer step `step` counts FP8 overflows/underflows (StepInfo.fp8):
+        every `precision.fp8.count_every` steps, or (0) the steps the loop logs."""
+        every = self.config.precision.fp8.count_every or self.config.logging.log_every
+        return step % every == 0 or step == self.config.train.steps
 
     def _agree(self, failed: bool) -> bool:
         """The compile vote: True on every rank when `failed` on any. Each rank compiles
