@@ -629,3 +629,41 @@ def test_fp8_counts_only_on_counted_steps_and_nothing_else_changes():
     assert [c is None for c in some["fp8"]] == [True, True, False, False]  # steps 3, 4 (last)
     assert some["fp8"][2] == every["fp8"][2] and some["fp8"][3] == every["fp8"][3]
     assert all(c is not None for c in every["fp8"])
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@_no_cuda
+def test_fp8_refresh_with_cuda_shards_at_two_ranks():
+    """N1 on the real device: the CPU stand-in's verdict, checked against CUDA itself."""
+    from zerotrain.zero.flat import FlatUnit
+    from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+
+    a, b = (nn.Parameter(torch.randn(64, 64)) for _ in range(2))
+    u = FlatUnit.build(0, "blk", [("blk.q.weight", a, 0), ("blk.o.weight", b, 0)],
+                       world_size=2, rank=0, align=8)
+    u.wire = Fp8Wire(u, {"blk.q.weight", "blk.o.weight"}, 2)
+    u.shard = torch.zeros(u.shard_numel, dtype=torch.bfloat16, device="cuda")
+    refresh_all([u], _HostComm())
+    assert u.wire.send.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@_no_cuda
+def test_a_dropped_pinned_buffer_can_be_registered_again():
+    """N9 on the real driver: memory freed without close() is unregistered, so the next
+    registration at the same addresses succeeds (it failed with 712 before)."""
+    import gc
+
+    from zerotrain.zero import offload
+
+    for _ in range(20):
+        t = offload.host_buffer(1 << 16, torch.float32, pinned=True)
+        assert t.is_pinned()
+        del t
+        gc.collect()
+    assert not offload._REGISTERED
