@@ -321,6 +321,55 @@ def test_muon_offload_fences_every_unit_before_writing_its_master():
     assert all(fenced.values()), log  # each wait came before the unit's master changed
 
 
+class _CudaEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_offload_publish_fences_its_staging_before_rewriting_it(monkeypatch):
+    """N7: Offload on a GPU casts each unit's master into a pinned staging buffer that the
+    asynchronous host-to-device copy reads; the next publish rewrote it unfenced when the
+    unit had no optimizer segment (padding-only, or Muon's matrix-only units). The CUDA
+    branch runs here with the runtime calls replaced: the fence precedes the write."""
+    from zerotrain.engine import Engine
+    from zerotrain.models.gpt import GPT
+
+    from zero_harness import make_config
+
+    cfg = make_config({"zero": {"stage": 2, "offload_optimizer": "cpu"},
+                       "precision": {"dtype": "bf16"}}, 1, 3)
+    torch.manual_seed(0)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    s = eng.strategy
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart())
+    monkeypatch.setattr(torch.cuda, "Event", _CudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    s.grads.gpu = True  # the CUDA branch of write_master_into
+    for u in s.units:
+        s.publish(u)  # creates each unit's staging
+    log: list = []
+
+    class Published:
+        def __init__(self, u):
+            self.u, self.last = u, u.publish_staging.clone()
+
+        def synchronize(self) -> None:  # the staging must still hold the last publish
+            log.append((self.u.index, torch.equal(self.u.publish_staging, self.last)))
+
+    with torch.no_grad():
+        for u in s.units:
+            u.published = Published(u)
+            u.master.add_(1.0)  # a new update to publish
+            s.publish(u)
+            assert torch.equal(u.publish_staging, u.master.to(torch.bfloat16))
+    s.grads.gpu = False
+    eng.close()
+    assert len(s.units) > 1 and log == [(u.index, True) for u in s.units], log
+
+
 # ----------------------------------------------------------------------------- N9
 
 
