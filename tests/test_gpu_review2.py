@@ -419,6 +419,41 @@ def test_a_pinned_buffer_is_unregistered_when_its_memory_is_freed(monkeypatch):
     assert rt.unregistered == [ptr, rt.registered[1][0]]  # once each
 
 
+def test_close_waits_for_in_flight_copies_before_unregistering(monkeypatch):
+    """N9: close() right after step() unregistered buffers that an asynchronous publish
+    (compute stream) or gradient copy (side stream) could still be using."""
+    from zerotrain.engine import Engine
+    from zerotrain.models.gpt import GPT
+    from zerotrain.zero import offload
+
+    from zero_harness import make_config
+
+    log: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str):
+            self.name = name
+
+        def synchronize(self) -> None:
+            log.append(f"sync {self.name}")
+
+    class Cudart(_FakeCudart):
+        def cudaHostUnregister(self, ptr):
+            log.append("unregister")
+            return super().cudaHostUnregister(ptr)
+
+    cfg = make_config({"zero": {"stage": 2, "offload_optimizer": "cpu"}}, 1, 3)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    rt = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("compute"))
+    g = eng.strategy.grads
+    g.gpu, g.stream = True, Stream("side")
+    g.registered += [offload.host_buffer(8, torch.float32, True) for _ in range(2)]
+    eng.close()
+    assert log == ["sync compute", "sync side", "unregister", "unregister"]
+
+
 def test_a_failed_registration_clears_the_cuda_error(monkeypatch):
     from zerotrain.zero import offload
 
