@@ -6,8 +6,13 @@ type cpu"), so every tensor handed to a collective must live on the GPU. Without
 we reproduce that contract:
 
 - `SimDevice()` is a dispatch mode: inside it, anything sent to or created on `meta`
-  becomes a `SimTensor` (the values are kept on the CPU underneath); arithmetic mixing a
-  SimTensor with a CPU tensor raises, like mixing devices on a GPU.
+  becomes a `SimTensor` (the values are kept on the CPU underneath). An op that meets a
+  SimTensor and a CPU tensor raises, as CUDA does, with exactly CUDA's exceptions
+  (`_allowed`): copies between devices (`copy_`, `.to`), a 0-d CPU tensor read as a
+  scalar by an elementwise op (TensorIterator's CPU-scalar rule; `fill_`, `masked_fill`,
+  the `_foreach_` ops), and CPU index tensors in advanced indexing. Everything else —
+  `stack`, `cat`, `index_select`, matmul, a CPU tensor written by a device op, a 0-d
+  CPU tensor anywhere but a read elementwise operand — is refused, 0-d or not.
 - `nccl_like_all_reduce(real)` replaces `dist.all_reduce`: a CPU tensor is refused with
   NCCL's error; a SimTensor is reduced for real (its CPU data over the gloo group). Each
   call's device and calling function are recorded.
@@ -19,7 +24,7 @@ import inspect
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 SIM = torch.device("meta")
 
@@ -42,26 +47,63 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kinds: set[str] = set()
-
-        def unwrap(x):
-            if isinstance(x, SimTensor):
-                kinds.add("sim")
-                return x.inner
-            if isinstance(x, torch.Tensor) and x.dim() > 0:  # 0-d CPU scalars mix, as on CUDA
-                kinds.add(x.device.type)
-            return x
-
-        a, k = tree_map(unwrap, args), tree_map(unwrap, kwargs)
-        if func is torch.ops.aten._to_copy.default and _target(k) == "cpu":
-            return func(*a, **{n: v for n, v in k.items() if n != "device"})
-        if len(kinds) > 1:
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found "
-                               f"{sorted(kinds)} in {func}")
-        out = func(*a, **k)
+        if func is torch.ops.aten._to_copy.default and _target(kwargs) == "cpu":
+            a = tree_map(_unwrap, args)
+            return func(*a, **{n: v for n, v in kwargs.items() if n != "device"})
+        refused = _refused(func, args, kwargs)
+        if refused:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at "
+                               f"least two devices, meta (simulated) and cpu ({refused} of "
+                               f"{func})")
+        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         if func is torch.ops.aten._local_scalar_dense.default:
             return out
+        rets = func._schema.returns
+        if len(rets) == 1 and rets[0].alias_info is not None and rets[0].alias_info.is_write:
+            return args[0]  # in place (copy_, add_ …): the tensor written, as torch returns
         return tree_map(lambda x: SimTensor(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _unwrap(x):
+    return x.inner if isinstance(x, SimTensor) else x
+
+
+_aten = torch.ops.aten
+#: copies between devices: what `.to()` / `copy_` are for, on CUDA too
+_COPIES = {_aten.copy_.default, _aten._copy_from.default, _aten._to_copy.default,
+           _aten._foreach_copy_.default}
+#: ops that read a 0-d CPU tensor as a scalar on CUDA (besides the pointwise-tagged ones)
+_SCALAR_READERS = {_aten.fill_.Tensor, _aten.masked_fill_.Tensor, _aten.masked_fill.Tensor}
+#: advanced indexing accepts CPU index tensors for a CUDA tensor (and a 0-d CPU value)
+_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default,
+             _aten._index_put_impl_.default}
+
+
+def _reads_scalars(func) -> bool:
+    return (torch.Tag.pointwise in func.tags or func in _SCALAR_READERS
+            or func.__name__.startswith("_foreach_"))
+
+
+def _refused(func, args: tuple, kwargs: dict) -> str | None:
+    """Why CUDA would refuse this op (which argument is a CPU tensor), or None."""
+    if func in _COPIES:
+        return None
+    has_sim, cpu = False, []
+    schema = func._schema.arguments
+    for i, arg in enumerate(schema):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, SimTensor):
+                has_sim = True
+            elif isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                if func in _INDEXING and arg.name == "indices":
+                    continue
+                if t.dim() == 0 and not written and (
+                        _reads_scalars(func) or (func in _INDEXING and arg.name == "values")):
+                    continue
+                cpu.append(f"argument '{arg.name}'" + (" (0-d)" if t.dim() == 0 else ""))
+    return ", ".join(cpu) if has_sim and cpu else None
 
 
 def _target(kwargs: dict) -> str | None:

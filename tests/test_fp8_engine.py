@@ -36,7 +36,7 @@ def test_fp8_stages_track_one_process():
 
 def test_fp8_counts_and_delayed_history_resume(tmp_path):
     cfg = make_config({"precision": {"dtype": "bf16", "fp8": {
-        "enabled": True, "recipe": "delayed", "amax_history": 4}}}, 1, 10)
+        "enabled": True, "recipe": "delayed", "amax_history": 4, "count_every": 1}}}, 1, 10)
     torch.manual_seed(0)
     eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
     it = iter(batches(6))

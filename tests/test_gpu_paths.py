@@ -107,7 +107,7 @@ def test_control_reductions_run_on_the_comm_device(tmp_path):
         assert devices == {"meta"}, res["calls"]
         # loss logging, eval totals, bytes per token, preemption flag, spike guard, the
         # finite-weights check, and (sharded optimizers) the gradient norm
-        want = {"_log_step", "evaluate", "val_bytes_per_token", "after_step", "_spike",
+        want = {"_log_step", "evaluate", "val_bytes_per_token", "_cast", "_spike",
                 "weights_finite"} | ({"grad_norm_sq"} if stage else set())
         assert want <= callers, callers
         for key in ("final_val_loss", "final_train_loss", "first_val_loss"):

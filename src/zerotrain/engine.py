@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Comm
-from zerotrain.comm.dist import bind_device, init_distributed, launched_by_torchrun
+from zerotrain.comm.dist import (
+    bind_device,
+    init_distributed,
+    launched_by_torchrun,
+    patient_barrier,
+)
 from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
@@ -57,7 +62,7 @@ class StepInfo:
     loss_scale: float
     skipped_total: int
     spike: str | None = None  # why the spike guard skipped this step, if it did
-    fp8: dict | None = None   # FP8 overflow/underflow counts of this step, all ranks
+    fp8: dict | None = None   # FP8 overflow/underflow counts, all ranks (counted steps)
 
 
 def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
@@ -74,6 +79,10 @@ def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
     }
     if cfg.optimizer.name == "muon":  # None: Muon for 2-D tensors, AdamW otherwise
         out[Group.MATRIX]["use_muon"] = None
+        # Newton–Schulz's fp32 GEMMs on TF32 tensor cores (CUDA only) in half-precision
+        # runs, unless precision.tf32 is false; fp32 runs follow precision.tf32 globally
+        p = cfg.precision
+        out[Group.MATRIX]["ns_tf32"] = p.dtype != "fp32" and p.tf32 is not False
         out[Group.VECTOR]["use_muon"] = False
         out[Group.EMBEDDING]["use_muon"] = False
     return {int(g): h for g, h in out.items()}
@@ -116,7 +125,7 @@ class Engine(DeepSpeedAPI):
             if config.precision.fp8.enabled else None
         groups = self.strategy.param_groups(group_hyperparameters(config))
         self.optimizer = build_optimizer(config.optimizer, groups,
-                                         agree=self.comm.any if self.world_size > 1 else None)
+                                         agree=self._agree if self.world_size > 1 else None)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps
         self.micro_step = 0
@@ -135,6 +144,8 @@ class Engine(DeepSpeedAPI):
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fp8 is not None:
+            self.fp8.counting = self.fp8_counts_at(self.global_step + 1)
         with self._phase("forward"):
             return self.module(*args, **kwargs)
 
@@ -219,6 +230,19 @@ class Engine(DeepSpeedAPI):
         self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite or bool(spike),
                                   scale, skipped_total, spike, self._fp8_end_step())
         return self.last_info
+
+    def fp8_counts_at(self, step: int) -> bool:
+        """Whether optimizer step `step` counts FP8 overflows/underflows (StepInfo.fp8):
+        every `precision.fp8.count_every` steps, or (0) the steps the loop logs."""
+        every = self.config.precision.fp8.count_every or self.config.logging.log_every
+        return step % every == 0 or step == self.config.train.steps
+
+    def _agree(self, failed: bool) -> bool:
+        """The compile vote: True on every rank when `failed` on any. Each rank compiles
+        first (a cold compile can outlast comm.timeout_s, and on NCCL a timeout aborts),
+        so the ranks meet on the store before the vote's all-reduce."""
+        patient_barrier()
+        return self.comm.any(failed)
 
     def _fp8_end_step(self) -> dict | None:
         """Roll the delayed recipe's histories (one MAX all-reduce of every layer's amax, so

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -444,11 +444,19 @@ def _log_step(run: Run, sinfo: StepInfo, loss: torch.Tensor, dt: float) -> float
 
 
 class _Watch:
-    """Per-step checks that stop a run: divergence, preemption, injected faults."""
+    """Per-step checks that stop a run: divergence, preemption, injected faults.
+
+    Preemption at several ranks: every rank must stop at the same step boundary, so the
+    flag is voted on (a MAX all-reduce). A blocking vote every step would drain the
+    device queue at each step boundary (host → device, NCCL, device → host), so the
+    vote is asynchronous: cast at step k, read at step k + 1, where the run stops (one
+    step after the signal instead of at once — a preemption's grace period is seconds
+    to minutes; a step is well under that)."""
 
     def __init__(self, run: Run, preemption: Preemption):
         self.run, self.preemption = run, preemption
         self.in_a_row = 0
+        self._vote: Callable[[], float] | None = None  # the last vote's result, when ready
 
     def after_step(self, sinfo: StepInfo) -> None:
         run, cfg = self.run, self.run.cfg
@@ -462,13 +470,38 @@ class _Watch:
                            f"optimizer.lr and {run._earlier()} (train.max_skipped_steps "
                            "sets this limit)")
         maybe_inject_fault(cfg.train.fault, run.dist.rank, step)
-        flag = float(self.preemption.requested)
-        if run.dist.world_size > 1:  # every rank must stop at the same step boundary
-            flag = float(run.engine.comm.all_reduce_scalars([flag], op="max")[0])
-        if flag:
+        if run.dist.world_size > 1:  # every rank stops at the same step boundary
+            stop = self.finish() > 0  # the vote cast at the previous step
+            if not stop:
+                self._cast(self.preemption.requested)
+        else:
+            stop = self.preemption.requested
+        if stop:
             path = run.save()
             run.report.close()
             raise Interrupted(step, str(path))
+
+
+    def _cast(self, flag: bool) -> None:
+        """Start this step's preemption vote (SUM of 0/1 flags) without waiting for it."""
+        comm = self.run.engine.comm
+        votes = torch.full((1,), float(flag), dtype=torch.float32, device=comm.device)
+        handle = comm.all_reduce(votes, purpose="control", async_op=True)
+        if comm.device.type == "cuda":  # the stream waits for NCCL, the host does not
+            handle.wait()
+            host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            host.copy_(votes, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+            self._vote = lambda: (landed.synchronize(), float(host[0]))[1]
+        else:  # gloo: the work runs on its own thread until waited for
+            self._vote = lambda: (handle.wait(), float(votes[0]))[1]
+
+    def finish(self) -> float:
+        """The number of ranks asking to stop at the last vote (0 when none is pending);
+        called at the end of the loop too, so no vote is left in flight."""
+        vote, self._vote = self._vote, None
+        return vote() if vote is not None else 0.0
 
 
 def _validate(run: Run, step: int) -> float:
@@ -528,6 +561,7 @@ def _train(run: Run) -> dict[str, Any]:
                     report.say(f"[zerotrain] step {last}: no checkpoint, the loss is not "
                                "finite (the spike guard or train.max_skipped_steps decides "
                                "whether training goes on)")
+        watch.finish()
     report.close_bar()
     elapsed = time.perf_counter() - t_start
     return _finish(run, first_val, loss_avg, steps_run, elapsed)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from zerotrain.comm.dist import barrier
+from zerotrain.comm.dist import barrier, patient_barrier
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)  # 1: before checksums and flat optimizer tensors
@@ -172,7 +172,7 @@ def save_sharded(root: str | Path, step: int, rank: int, world: int,
     barrier()
     if rank == 0:
         _finish(root, tmp, final, world, dict(meta, step=step), keep)
-    barrier()
+    patient_barrier()  # rank 0's solo finishing may outlast comm.timeout_s (NCCL: abort)
     return final
 
 

@@ -377,12 +377,19 @@ class Comm:
         return bool(self.all_reduce_scalars([float(flag)], op="max")[0] > 0)
 
     def close(self) -> None:
+        """Stop the comm thread and destroy the groups this Comm made (the ring's, the
+        gradients' own): on NCCL each is a communicator with its own device buffers, which
+        would otherwise live until the process group is destroyed. Idempotent."""
         if self._thread is not None:
             self._thread.close()
             self._thread = None
-        if self._ring_group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._ring_group)
-            self._ring_group = None
+        made = {id(g): g for g in (self._ring_group, self._grad_ring_group, self._grad_group)
+                if g is not None and g is not self.group}
+        if dist.is_initialized():
+            for g in made.values():
+                dist.destroy_process_group(g)
+        self._ring_group = self._grad_ring_group = None
+        self._grad_group, self.separate_grads = self.group, False
 
 
 def _reduce_scatter() -> Callable[..., object]:

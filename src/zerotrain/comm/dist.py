@@ -34,25 +34,51 @@ def launched_by_torchrun() -> bool:
 def pick_device(kind: str = "auto", local_rank: int = 0,
                 local_world: int | None = None) -> torch.device:
     """This rank's device: one GPU per local rank (never two ranks on one GPU: NCCL
-    refuses that), or the CPU."""
+    refuses that), or the CPU.
+
+    `local_world` is given by the launcher only (`--nproc`), the one place where it is
+    known that all the ranks share this process's list of GPUs. A rank itself cannot
+    know that: under per-rank isolation (SLURM `--gpus-per-task=1`, Kubernetes device
+    plugins, a wrapper setting CUDA_VISIBLE_DEVICES per rank) every rank sees exactly one
+    GPU — its own, `cuda:0` — whatever its local rank.
+    """
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
             raise ConfigError("train.device is 'cuda' but no CUDA device is visible; use "
                               "--train.device cpu")
-        local = local_world if local_world is not None else int(
-            os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if local > gpus:
-            raise ConfigError(f"{local} local ranks but {gpus} visible GPU(s); use --nproc "
-                              f"<= {gpus}, or --train.device cpu")
-        return torch.device("cuda", local_rank)
+        if local_world is not None and local_world > gpus:
+            raise ConfigError(f"{local_world} local ranks but {gpus} visible GPU(s); use "
+                              f"--nproc <= {gpus}, or --train.device cpu")
+        if local_rank < gpus:
+            return torch.device("cuda", local_rank)
+        if gpus == 1:  # isolated: this rank's own GPU (NCCL names a real duplicate)
+            return torch.device("cuda", 0)
+        source = local_rank_source()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        raise ConfigError(
+            f"local rank {local_rank} (from {source}) but this process sees {gpus} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={visible}); set LOCAL_RANK to the rank's index on its "
+            "node, or CUDA_VISIBLE_DEVICES to the GPUs of this node (one per local rank)")
     return torch.device("cpu")
 
 
+#: where a launcher puts the rank's index on its node, most specific first; RANK (the
+#: global rank) only when none is set, which is right on one node only
+LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "RANK")
+
+
+def local_rank_source() -> str:
+    """The environment variable `local_rank()` read (or "default" when none is set)."""
+    return next((v for v in LOCAL_RANK_VARS if v in os.environ), "default")
+
+
 def local_rank() -> int:
-    """This process's index on its node: LOCAL_RANK, or RANK when a launcher sets only
-    that (one node), as init_distributed and the Engine must agree on the GPU."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+    """This process's index on its node: LOCAL_RANK (torchrun), SLURM_LOCALID (srun),
+    OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else RANK (a launcher that sets only that: one
+    node), else 0. init_distributed and the Engine both use it, so they agree on the GPU."""
+    source = local_rank_source()
+    return int(os.environ[source]) if source != "default" else 0
 
 
 def bind_device(kind: str = "auto") -> torch.device:
@@ -157,18 +183,30 @@ PATIENT_TIMEOUT_S = 24 * 3600
 
 def patient_barrier(timeout_s: float = PATIENT_TIMEOUT_S) -> None:
     """A barrier for one rank's long solo work (rank 0 tokenizing a corpus, training a
-    BPE): it waits on the rendezvous store, so `comm.timeout_s` — sized for
-    collectives, which should never wait long — does not cut it short. Falls back to a
-    plain barrier when the caller opened the group (no store of ours)."""
+    BPE, finishing a checkpoint on a slow filesystem): it waits on the rendezvous store,
+    so `comm.timeout_s` — sized for collectives, which should never wait long — does not
+    cut it short. On NCCL that matters more: a collective that times out is not an error
+    there but the watchdog aborting the process. When the caller opened the group, its
+    default store serves (a plain barrier if even that is unavailable)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if _STORE is None:
+    store = _STORE if _STORE is not None else _default_store()
+    if store is None:
         dist.barrier()
         return
-    key = f"patient_barrier/{next(_PATIENT)}"
-    if _STORE.add(key, 1) == dist.get_world_size():
-        _STORE.set(key + "/all", "1")
-    _STORE.wait([key + "/all"], datetime.timedelta(seconds=timeout_s))
+    key = f"zerotrain/patient_barrier/{next(_PATIENT)}"
+    if store.add(key, 1) == dist.get_world_size():
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"], datetime.timedelta(seconds=timeout_s))
+
+
+def _default_store() -> dist.Store | None:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 def shutdown() -> None:

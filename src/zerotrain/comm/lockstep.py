@@ -91,7 +91,12 @@ class Lockstep:
 def explain_timeout(error: BaseException, what: str, rank: int,
                     timeout_s: float | None) -> BaseException:
     """The error to raise for `error`: a CollectiveTimeout naming the settings when the
-    backend timed out, otherwise `error` itself."""
+    backend timed out, otherwise `error` itself.
+
+    gloo only: on NCCL a timed-out collective never raises here — `Work.wait()` returns
+    and the watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, default: tear down) aborts the
+    process with its own dump. That is why every known long solo wait (data preparation,
+    checkpoint finishing, the compile vote) waits on the store (`patient_barrier`)."""
     text = str(error)
     low = text.lower()
     if not isinstance(error, RuntimeError) or ("timed out" not in low and "timeout" not in low):

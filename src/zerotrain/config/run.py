@@ -70,8 +70,10 @@ class CommConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: int = Field(
         120, ge=10, description="how long a collective may wait for the other ranks before "
-        "the job fails with an error naming this setting (a stuck rank, or ranks that ran "
-        "different collectives: see check_lockstep); one rank's data preparation is exempt")
+        "the job fails (a stuck rank, or ranks that ran different collectives: see "
+        "check_lockstep). On gloo the error names this setting; on NCCL the watchdog aborts "
+        "the process instead (SIGABRT and a watchdog dump). One rank's solo work — data "
+        "preparation, checkpoint finishing, the optimizer's compile — is exempt")
     grad_group: bool | Literal["auto"] = Field(
         "auto", description="gradient reductions on a process group of their own; on NCCL "
         "each group is one CUDA stream, so ZeRO-3's reduce-scatters then run beside the "

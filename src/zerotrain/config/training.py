@@ -152,6 +152,10 @@ class FP8Config(_Section):
                              "weights in FP8 (1 byte/element) instead of the param dtype")
     pow2_scales: bool = Field(True, description="round scales down to a power of two, so "
                               "scaling and unscaling are exact")
+    count_every: int = Field(
+        0, ge=0, description="count overflows/underflows (a few extra passes per cast, a "
+        "sync and an all-reduce per counted step) every k steps; 0: on the steps the "
+        "training loop logs (logging.log_every, and the last)")
     matmul: Literal["auto", "scaled_mm", "emulate"] = Field(
         "auto", description="auto: torch._scaled_mm on a CUDA device where it works, else "
         "emulate (dequantise, multiply in fp32; on CPU _scaled_mm is no faster)")

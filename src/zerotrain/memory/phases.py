@@ -17,7 +17,11 @@ ZeRO table plus what each phase adds. The engine measures the same phases
   drawn whole into one scratch buffer and its owned slice kept); stages 0-2 keep their
   buffers, nothing transient. Stages 2-3 never zero their gradient shard (each backward's
   first reduction overwrites it), so on a CPU its pages become resident only at the first
-  backward (`lazy_grads`); a GPU's allocator counts it at init.
+  backward (`lazy_grads`: untouched pages are not resident). On CUDA there are no lazy
+  pages: the caching allocator hands out every block whole, so the gradient shard counts
+  at init, and so does the per-parameter path's empty full-unit buffer (made for the
+  first gather to fill, released at once, reused unit after unit): its CUDA init bound
+  is Σ(shard + master + gradient shard) + the widest parameter + the largest unit.
 - **gathered units** (ZeRO-3) — the running unit and, with prefetch, the next one.
 - **activations** — saved for backward (`activation_bytes`); the caller counts them.
 - **bucket pool** (stages 2–3) — a unit's gradients land in a full-size bucket of the
@@ -107,10 +111,12 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
     for good (`COMPILE_RUNTIME_BYTES` when the optimizer is compiled); `retention`: the
     allocator's allowance (`CPU_RETENTION` for a CPU process). `high_water`: the running
     maximum over the phases in order — what a resident-set high-water mark measures on
-    CPU, where freed memory usually stays with the process. `lazy_grads`: stages 2-3's
-    gradient shard is not resident at init (a CPU process). `init_piece`: elements
-    ZeRO-3 materialises at once during init — a whole unit by default, the largest
-    parameter when the plan's per-name rule draws each parameter into the shard."""
+    CPU, where freed memory usually stays with the process. `lazy_grads`: memory never
+    written is not resident (a CPU process): stages 2-3's gradient shard at init, and
+    ZeRO-3's empty full-unit buffer. `init_piece`: elements ZeRO-3 materialises at once
+    during init — a whole unit by default, the largest parameter when the plan's
+    per-name rule draws each parameter into the shard; without lazy pages (CUDA) that
+    path also holds one empty unit buffer, so its init adds `largest_unit` as well."""
     est = model_state_bytes_from_buffers(
         buffer_numels, world, stage, param_bytes=bpp.params, grad_bytes=bpp.grads,
         master_bytes=bpp.master, optim_bytes=bpp.optimizer, offload=offload,
@@ -129,10 +135,14 @@ def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: B
         if bpp.master == 0 and not offload:  # fp32: this rank's parameters are its master
             saved += bpp.params * shard
     grads = est.device["grads"] + est.host["grads"] if lazy_grads and stage >= 2 else 0
+    if stage != 3:
+        drawn = 0
+    elif init_piece is None:  # each unit materialised whole, then cut
+        drawn = largest_unit
+    else:  # the scratch parameter, plus (no lazy pages) the unit's empty full buffer
+        drawn = init_piece + (0 if lazy_grads else largest_unit)
     live = {
-        "init": states - optimizer - grads + (
-            (largest_unit if init_piece is None else init_piece) * bpp.params
-            if stage == 3 else 0),
+        "init": states - optimizer - grads + drawn * bpp.params,
         "forward": held + gathered + activations,
         "backward": held + gathered + activations + largest_param * bpp.grads,
         "step": held,

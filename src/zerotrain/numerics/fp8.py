@@ -108,20 +108,26 @@ def scale_from_amax(a: Tensor, fmt: FloatFormat, pow2: bool = True) -> Tensor:
     return torch.where(torch.isfinite(s) & (s > 0), down, s)
 
 
-def quantize(x: Tensor, scale: Tensor, fmt: FloatFormat,
-             saturate: bool = True) -> tuple[Tensor, Tensor]:
+def quantize(x: Tensor, scale: Tensor, fmt: FloatFormat, saturate: bool = True,
+             count: bool = True) -> tuple[Tensor, Tensor | None]:
     """(q, counts): q = sat(x·scale) in fmt's torch dtype; counts = [overflow, underflow].
 
     overflow: elements whose scaled magnitude exceeds fmt.max (they saturate to ±max);
     underflow: non-zero elements that round to 0. A few reductions, no host sync.
     `saturate=False` is the caller's promise that no |x·scale| exceeds max — true when
     the scale came from an amax ≥ max |x|, since amax·scale ≤ max exactly — and skips
-    the clamp and the overflow count (0).
+    the clamp and the overflow count (0). `count=False`: q alone (counts None), without
+    the counting passes and their temporaries — the same q.
     """
     dtype = fmt.torch_dtype
     if dtype is None:
         raise ValueError(f"{fmt.name} has no torch dtype to quantise into")
-    xs = x.to(torch.float32) * scale
+    # one fp32 temporary: a half-precision x is widened once and scaled in place
+    xs = x * scale if x.dtype == torch.float32 else x.to(torch.float32).mul_(scale)
+    if not count:
+        if saturate:
+            xs.clamp_(-fmt.max_finite, fmt.max_finite)
+        return xs.to(dtype), None
     over = torch.zeros((), dtype=torch.int64, device=x.device)
     if saturate:
         over = torch.count_nonzero(xs.abs() > fmt.max_finite)
@@ -145,6 +151,9 @@ class FP8Stats:
     def __init__(self, device: torch.device | str | None = None):
         self.counts = torch.zeros(len(TENSOR_CLASSES), 2, dtype=torch.int64, device=device)
         self.modules: list[torch.nn.Module] = []  # the converted layers reporting here
+        # Whether casts count this step (the engine decides per step: counting costs a
+        # few passes per cast, and reading the counts a sync and an all-reduce)
+        self.counting = True
 
     def add(self, cls_index: int, counts: Tensor) -> None:
         self.counts[cls_index] += counts
@@ -166,9 +175,10 @@ class FP8Stats:
 
     def end_step(self, reduce_max: Callable[[Tensor], object] | None = None,
                  reduce_sum: Callable[[Tensor], object] | None = None
-                 ) -> dict[str, dict[str, int]]:
-        """Call once per optimizer step, after backward: returns the step's counts, resets
-        them, and rolls every delayed layer's amax history.
+                 ) -> dict[str, dict[str, int]] | None:
+        """Call once per optimizer step, after backward: returns the step's counts (None
+        when this step did not count), resets them, and rolls every delayed layer's amax
+        history.
 
         `reduce_max(t)` / `reduce_sum(t)` all-reduce a tensor in place across data-parallel
         ranks (MAX for the pending amaxes, all layers in one tensor; SUM for the counts),
@@ -181,8 +191,10 @@ class FP8Stats:
                 reduce_max(pending)
             for m, p in zip(delayed, pending):
                 m.roll_history(p)
-        if reduce_sum is not None:
-            reduce_sum(self.counts)
-        snap = self.snapshot()
+        snap = None
+        if self.counting:
+            if reduce_sum is not None:
+                reduce_sum(self.counts)
+            snap = self.snapshot()
         self.reset()
         return snap

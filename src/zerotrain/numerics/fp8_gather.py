@@ -58,7 +58,7 @@ def quantize_shard(shard: Tensor, amax_global: Tensor, fmt: FloatFormat = FP8_E4
     are the FP8 patterns (gloo and NCCL move uint8; float8 dtypes are not on every wire).
     """
     scale = scale_from_amax(amax_global.to(shard.device), fmt, pow2)
-    q, _ = quantize(shard.detach(), scale, fmt)
+    q, _ = quantize(shard.detach(), scale, fmt, count=False)
     b = q.reshape(-1).view(torch.uint8)
     if out is not None:
         out.copy_(b)

@@ -108,8 +108,11 @@ class Fp8Linear(nn.Linear):
         current = amax(t, rows=rows)
         a = current if self.fp8_amax_history is None else self._delayed_amax(cls, current)
         s = scale_from_amax(a, fmt, self.recipe.pow2_scales)
-        q, counts = quantize(t, s, fmt, saturate=self._may_saturate(current, s, fmt))
-        self.stats.add(cls, counts)
+        counting = self.stats.counting
+        q, counts = quantize(t, s, fmt, saturate=self._may_saturate(current, s, fmt),
+                             count=counting)
+        if counts is not None:
+            self.stats.add(cls, counts)
         return q, s
 
     def _may_saturate(self, current: Tensor, s: Tensor, fmt: FloatFormat) -> bool:

@@ -9,7 +9,8 @@ distributed Muon (zero/muon.py) runs the two halves on different ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ def newton_schulz(
     steps: int = 5,
     coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
     eps: float = 1e-7,
+    tf32: bool = False,
 ) -> Tensor:
     """Approximate U·Vᵀ of G = U·S·Vᵀ with the quintic Newton–Schulz iteration.
 
@@ -35,6 +37,10 @@ def newton_schulz(
     singular value is ≤ 1). The coefficients trade exactness for speed: singular
     values land in roughly [0.7, 1.2] rather than at 1, which Muon does not mind.
     Tensors with more than two dims are treated as (shape[0], rest) matrices.
+
+    `tf32`: on CUDA, run the iteration's fp32 GEMMs on TF32 tensor cores (~8× IEEE
+    fp32 on A100/H100), whatever the process-wide setting; the engine asks for it in
+    half-precision runs, whose own matmuls are coarser anyway. Nothing changes on the CPU.
     """
     a, b, c = coefficients
     X = G.reshape(G.shape[0], -1)
@@ -42,13 +48,28 @@ def newton_schulz(
     if not wide:  # iterate on the smaller Gram matrix
         X = X.mT
     X = X / (X.norm() + eps)
-    for _ in range(steps):
-        A = X @ X.mT
-        B = torch.addmm(A, A, A, beta=b, alpha=c)
-        X = torch.addmm(X, B, X, beta=a)
+    with tf32_matmuls(tf32 and X.is_cuda and X.dtype == torch.float32):
+        for _ in range(steps):
+            A = X @ X.mT
+            B = torch.addmm(A, A, A, beta=b, alpha=c)
+            X = torch.addmm(X, B, X, beta=a)
     if not wide:
         X = X.mT
     return X.reshape(G.shape)
+
+
+@contextmanager
+def tf32_matmuls(on: bool) -> Iterator[None]:
+    """fp32 matmuls in TF32 inside the block (when `on`), the caller's setting after."""
+    if not on:
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def muon_lr(lr: float, shape: Sequence[int], adjust_lr_fn: str | None) -> float:
@@ -83,6 +104,7 @@ def muon_(
     ns_coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
     eps: float = 1e-7,
     adjust_lr_fn: str | None = "match_rms_adamw",
+    tf32: bool = False,
 ) -> None:
     """Muon for matrices: θ ← θ(1 − η·λ) − η'·NS(u), u = momentum (or its Nesterov look-ahead).
 
@@ -91,7 +113,7 @@ def muon_(
     """
     for p, g, buf in zip(*_lists(param, grad, momentum_buffer)):
         o = muon_direction(g, buf, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                           ns_coefficients=ns_coefficients, eps=eps)
+                           ns_coefficients=ns_coefficients, eps=eps, tf32=tf32)
         muon_apply_(p, o, p.shape, lr=lr, weight_decay=weight_decay,
                     adjust_lr_fn=adjust_lr_fn)
 
@@ -109,6 +131,7 @@ def muon_direction(
     ns_steps: int = 5,
     ns_coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
     eps: float = 1e-7,
+    tf32: bool = False,
 ) -> Tensor:
     """One matrix's momentum step (the buffer in place) and its orthogonalised update O."""
     if grad.ndim < 2:
@@ -116,7 +139,7 @@ def muon_direction(
                          "(give 1-D tensors to the AdamW fallback)")
     momentum_buffer.lerp_(grad, 1 - momentum)
     u = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    return newton_schulz(u, ns_steps, ns_coefficients, eps)
+    return newton_schulz(u, ns_steps, ns_coefficients, eps, tf32)
 
 
 def muon_apply_(param: Tensor, direction: Tensor, shape: Sequence[int], *, lr: float,

@@ -350,7 +350,8 @@ class Muon(_Base):
                  eps: float = 1e-7, ns_steps: int = 5,
                  adjust_lr_fn: str | None = "match_rms_adamw",
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
-                 use_muon: bool | None = None, defer_update: bool = False) -> None:
+                 use_muon: bool | None = None, defer_update: bool = False,
+                 ns_tf32: bool = False) -> None:
         _check(lr >= 0, f"lr must be >= 0, got {lr}")
         _check(0 <= momentum < 1, f"momentum must be in [0, 1), got {momentum}")
         _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
@@ -362,7 +363,7 @@ class Muon(_Base):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-            use_muon=use_muon, defer_update=defer_update))
+            use_muon=use_muon, defer_update=defer_update, ns_tf32=ns_tf32))
 
     @classmethod
     def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
@@ -379,7 +380,7 @@ class Muon(_Base):
                 self._state(p, lambda p: {"momentum_buffer": _zeros(p)})
             ns = dict(momentum=group["momentum"], nesterov=group["nesterov"],
                       ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-                      eps=group["eps"])
+                      eps=group["eps"], tf32=group["ns_tf32"])
             if group["defer_update"]:
                 for p in mats:
                     p.copy_(F.muon_direction(p.grad, self.state[p]["momentum_buffer"], **ns))

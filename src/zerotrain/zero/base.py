@@ -162,6 +162,10 @@ class Strategy(StrategyState):
         """Zeros where the optimizer's states live (the device, or the host under Offload)."""
         return torch.zeros(numel, dtype=dtype, device=self.host)
 
+    def fence_master(self, u: Unit) -> None:
+        """Before the host writes `u.master` (or what its publish reads): wait for the
+        last asynchronous publish of `u` to have read it (Offload on a GPU; else nothing)."""
+
     def write_master_into(self, u: Unit, dst: Tensor) -> None:
         if u.master.data_ptr() != dst.data_ptr():
             dst.copy_(u.master, non_blocking=True)
@@ -293,7 +297,16 @@ class Strategy(StrategyState):
         `step_by_unit` (Offload on a GPU): the optimizer steps one unit at a time and each
         unit is published as soon as it is updated, so its host-to-device copy (and, below
         ZeRO-3, its all-gather) runs while the CPU updates the next unit — the same
-        elementwise update, so the same numbers, in pieces."""
+        elementwise update, so the same numbers, in pieces.
+
+        The optimizer's first-step hook (the compile vote, a collective) runs here first,
+        on every rank: inside the first `optimizer.step()` it would come after unit 0's
+        publish on a rank whose share of unit 0 is all padding (no step for it) and
+        before it on the others — collectives in different orders, a hang on NCCL."""
+        hook = getattr(optimizer, "before_first_step", None)
+        if hook is not None:
+            optimizer.before_first_step = None
+            hook()
         if self.muon is not None:
             self.muon.step(optimizer)
             return

@@ -115,8 +115,12 @@ def refresh_all(units: list, comm: Comm) -> None:
     local = [u.wire.local_amaxes(u.shard) for u in wired]
     names = sorted({n for c in (u.wire.chunks for u in wired) for ch in c for p in ch
                     if (n := p.fp8)})
-    flat = torch.stack([next((a[n] for a in local if n in a), torch.zeros(()))
-                        for n in names]) if names else torch.zeros(0)
+    # the default for a weight this rank holds no piece of is made where the amaxes
+    # are: stack refuses to mix devices (a CPU 0-d tensor is no scalar operand there)
+    dev = wired[0].shard.device if wired else comm.device
+    zero = torch.zeros((), device=dev)
+    flat = torch.stack([next((a[n] for a in local if n in a), zero)
+                        for n in names]) if names else torch.zeros(0, device=dev)
     glob = comm.all_reduce_scalars(flat.double(), op="max").float()
     amax = dict(zip(names, glob))
     for u in wired:

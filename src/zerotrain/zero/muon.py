@@ -281,6 +281,7 @@ class MuonOwners:
         """θ ← θ(1 − ηλ) − η'·O on this rank's master slice of each matrix."""
         for m, o in pieces:
             u = self.s.units[m.unit]
+            self.s.fence_master(u)  # a unit holding only matrix slices had no other fence
             lo = self.s.opt_range(u)[0]
             a, b = m.pieces[self.rank]
             master = u.master[m.slot.offset + a - lo:m.slot.offset + b - lo]

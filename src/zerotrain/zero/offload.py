@@ -21,6 +21,10 @@ still shown by the audit) and none of the machinery runs.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -32,18 +36,57 @@ from zerotrain.zero.zero3 import ZeRO3
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> Tensor:
-    """Zeros in host memory; pinned at exactly this size when it feeds a GPU."""
-    t = torch.zeros(numel, dtype=dtype)
-    if pinned and t.numel():
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed ({err}) for {t.numel()} elements")
+    """Zeros in host memory; pinned at exactly this size when it feeds a GPU.
+
+    A pinned buffer is registered for exactly as long as its memory lives: the memory is
+    a ctypes array that the tensor's storage keeps alive (views included), and a
+    finalizer on that array unregisters it. An Engine dropped without `close()` thus
+    never leaves freed memory registered, where the next registration at the same address
+    (a second Engine: tests, notebooks, sweeps) would fail with "already registered".
+    """
+    if not (pinned and numel):
+        return torch.zeros(numel, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    raw = (ctypes.c_uint8 * nbytes)()  # zeroed; freed with the last view of the tensor
+    t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+    ptr = t.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        # the runtime keeps the error as its "last error" too, and the next kernel
+        # launch check would report it against an unrelated op: clear it first
+        clear_cuda_error()
+        raise RuntimeError(f"cudaHostRegister failed ({err}) for {numel} elements")
+    _REGISTERED[ptr] = weakref.finalize(raw, _unregister, ptr)
     return t
 
 
+#: data_ptr -> the finalizer that unregisters it (run early by `release_host_buffer`)
+_REGISTERED: dict[int, weakref.finalize] = {}
+
+
+def _unregister(ptr: int) -> None:
+    _REGISTERED.pop(ptr, None)
+    with contextlib.suppress(Exception):  # at interpreter exit the runtime may be gone
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def release_host_buffer(t: Tensor) -> None:
-    if t.numel():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    """Unregister now (the memory stays valid, as pageable memory, while views live)."""
+    fin = _REGISTERED.get(t.data_ptr())
+    if fin is not None:
+        fin()
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error (torch's cudart binding has no
+    cudaGetLastError): call it in the loaded libcudart, if one can be found."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
 
 
 class HostGrads(ShardedGrads):
@@ -99,6 +142,12 @@ class HostGrads(ShardedGrads):
         self.pending.clear()
 
     def close(self) -> None:
+        """Unregister the pinned buffers, once every copy into or out of them is done
+        (a publish H2D on the compute stream, a gradient D2H on the side stream)."""
+        if self.gpu and self.registered:
+            torch.cuda.current_stream(self.device).synchronize()
+            assert self.stream is not None
+            self.stream.synchronize()
         for t in self.registered:
             release_host_buffer(t)
         self.registered.clear()
@@ -125,6 +174,7 @@ class OffloadMixin:
             if u.publish_staging is None:
                 u.publish_staging = host_buffer(src.numel(), dst.dtype, True)
                 self.grads.registered.append(u.publish_staging)
+            self.fence_master(u)  # the last publish's copy may still read the staging
             u.publish_staging.copy_(src)
             src = u.publish_staging
         dst.copy_(src, non_blocking=True)
@@ -138,13 +188,16 @@ class OffloadMixin:
         self.grads.registered.append(t)
         return t
 
+    def fence_master(self, u: Unit) -> None:
+        if u.published is not None:
+            u.published.synchronize()
+            u.published = None
+
     def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
-        """Before the CPU writes these units' masters: their last publish has read them."""
+        """Before the CPU writes these units' masters: their last publish has read them.
+        (Distributed Muon writes the matrix slices later, fenced in `MuonOwners.apply`.)"""
         for i in {seg.unit for seg, _ in (self.opt_segments if segments is None else segments)}:
-            u = self.units[i]
-            if u.published is not None:
-                u.published.synchronize()
-                u.published = None
+            self.fence_master(self.units[i])
         super().attach_grads(segments)
 
     def close(self) -> None:

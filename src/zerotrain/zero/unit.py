@@ -139,10 +139,22 @@ class ShardedUnit(Unit):
             return
         self.wait_unshard()
         self.params.untyped_storage().resize_(0)
-        nan = torch.full((1,), float("nan"), dtype=self.params.dtype, device=self.params.device)
+        nan = nan_fill(self.params.dtype, self.params.device)
         for s in self.slots:
             s.param.data = nan.expand(s.shape)
         self.state = UnitState.SHARDED
 
     def gathered_bytes(self) -> int:
         return 0 if self.persistent else self.params.untyped_storage().nbytes()
+
+
+_NAN: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def nan_fill(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One shared 1-element NaN per (dtype, device) for resharded parameters to point at
+    (expanded, so never written): no allocation and fill kernel per unit per reshard."""
+    key = (dtype, device)
+    if key not in _NAN:
+        _NAN[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
+    return _NAN[key]
