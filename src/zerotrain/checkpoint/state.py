@@ -59,8 +59,9 @@ class Loaded:
 
 def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world: int,
          keep: int, run_id: str | None = None, client_state: Any = None,
-         name: str | None = None) -> Path:
-    """Collective: write `state` (an engine state dict) as one sharded checkpoint."""
+         name: str | None = None, latest: bool = True) -> Path:
+    """Collective: write `state` (an engine state dict) as one sharded checkpoint;
+    `latest=False` leaves the root's `latest` file as it was."""
     tensors: dict[str, Tensor] = {f"strategy.{k}": v for k, v in state["strategy"].items()}
     scalars: dict[str, Any] = {}
     for idx, st in state["optimizer"]["state"].items():
@@ -84,7 +85,7 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
             "extra": meta_in.get("extra", {}),
             "scaler": state["scaler"], **state["counters"], "run_id": run_id,
             "client_state": client_state}
-    return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name)
+    return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name, latest)
 
 
 # ----------------------------------------------------------------------------- load

@@ -1,0 +1,267 @@
+"""`DeepSpeedEngine`: zerotrain's Engine with DeepSpeed's optimizer, scheduler and
+checkpoint semantics, for scripts written against DeepSpeed.
+
+What it changes in the Engine, and nothing else:
+- optimizer groups are the user's groups (`model_parameters` dicts or a client
+  optimizer's groups), each with its own hyper-parameters, read before every update
+  from the `ParamGroups` object `initialize` returns (`apply_lr`);
+- the lr of each update is whatever the scheduler left in those groups, and the
+  scheduler is stepped after each applied update, as DeepSpeed does (so a config
+  WarmupLR runs lr(0), lr(0), lr(1), ... where the native engine runs lr(0), lr(1), ...);
+- checkpoints carry the scheduler's state and the groups' hyper-parameters, and take
+  DeepSpeed's arguments (`save_latest`, `load_optimizer_states`, ...).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotrain.comm.dist import local_rank
+from zerotrain.config import Config
+from zerotrain.deepspeed.optim import (
+    HYPER,
+    ParamGroups,
+    client_optimizer_name,
+    config_scheduler,
+    group_index,
+    hyper_of,
+    user_groups,
+)
+from zerotrain.engine import Engine, StepInfo
+from zerotrain.models import plan_for
+from zerotrain.optim import build_optimizer
+
+#: live engines, so zero.GatheredParameters can find the engine that owns a parameter
+ENGINES: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
+#: whether zerotrain.deepspeed opened the process group (and so closes it at exit)
+OPENED_GROUP = False
+
+
+@atexit.register
+def _close_all() -> None:
+    """DeepSpeed scripts end without closing anything: stop each engine's communication
+    thread before the interpreter does (a live one aborts the process at exit)."""
+    for engine in list(ENGINES):
+        engine.close()
+    if OPENED_GROUP and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _rank0(msg: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"[zerotrain.deepspeed] {msg}", flush=True)
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, model: nn.Module, config: Config, ds: dict[str, Any],
+                 client_optimizer: Any = None, model_parameters: Any = None,
+                 client_lr_scheduler: Any = None, collate_fn: Any = None):
+        """`config`: the zerotrain Config mapped from the DeepSpeed dict `ds` (with the
+        client optimizer's name when there is one)."""
+        if callable(client_optimizer) and not isinstance(client_optimizer,
+                                                         torch.optim.Optimizer):
+            client_optimizer = client_optimizer(user_groups(model, model_parameters))
+        self.client_optimizer = client_optimizer
+        name = config.optimizer.name
+        if isinstance(client_optimizer, torch.optim.Optimizer):
+            name = client_optimizer_name(client_optimizer)
+            # as DeepSpeed: groups without parameters leave the client optimizer
+            client_optimizer.param_groups[:] = [g for g in client_optimizer.param_groups
+                                                if g["params"]]
+            self.param_source = ParamGroups(client_optimizer.param_groups, {})  # shared dicts
+        elif client_optimizer is not None:
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a callable "
+                             f"returning one, not {type(client_optimizer).__name__}")
+        else:
+            groups = user_groups(model, model_parameters)
+            # the defaults DeepSpeed's optimizer class gives, as zerotrain maps them
+            probe = build_optimizer(config.optimizer, [{"params": [torch.zeros(1)]}])
+            defaults = {k: v for k, v in probe.defaults.items() if k in HYPER.get(name, ("lr",))}
+            self.param_source = ParamGroups(groups, defaults)
+        if name != config.optimizer.name:
+            config = config.model_copy(update={"optimizer": config.optimizer.model_copy(
+                update={"name": name})})
+        self.uses_muon = name == "muon"
+        plan = plan_for(model)
+        src = self.param_source.param_groups
+        if self.uses_muon:  # Muon's groups come from the model's plan (matrices vs the rest)
+            if len(src) > 1:
+                raise ValueError("optimizer Muon with several param groups: zerotrain's Muon "
+                                 "chooses its matrices by the model's plan; pass "
+                                 "model.parameters()")
+            group_index(model, src)
+            self.synced: tuple[str, ...] = ("lr",)
+        else:
+            plan = dataclasses.replace(plan, groups=group_index(model, src))
+            self.synced = HYPER[name]
+        super().__init__(model, config, plan=plan)
+        self.ds_config = ds
+        self.collate_fn = collate_fn
+        self.training_dataloader = None
+        if client_lr_scheduler is not None:
+            if "scheduler" in ds:
+                _rank0("the config's `scheduler` block is not used: the client lr_scheduler "
+                       "is, as in DeepSpeed")
+            self.client_lr_scheduler = (client_lr_scheduler(self.param_source)
+                                        if callable(client_lr_scheduler)
+                                        else client_lr_scheduler)
+        else:
+            self.client_lr_scheduler = config_scheduler(self.param_source, config, ds)
+        self.apply_lr()  # the sharded optimizer starts with the groups' settings
+        ENGINES.add(self)
+
+    # ------------------------------------------------------------------ optimizer
+    def group_options(self) -> dict[int, dict[str, Any]]:
+        if self.uses_muon:
+            return super().group_options()
+        return {i: hyper_of(g, self.synced)
+                for i, g in enumerate(self.param_source.param_groups)}
+
+    def apply_lr(self) -> float:
+        """Copy each user group's hyper-parameters (lr and, for a client optimizer, betas,
+        momentum, ... as a scheduler may change them) onto its optimizer groups."""
+        src = self.param_source.param_groups
+        for g in self.optimizer.param_groups:
+            g.update(hyper_of(src[0 if self.uses_muon else g["group_id"]], self.synced))
+        return float(src[0]["lr"])
+
+    def _step(self) -> StepInfo | None:
+        info = super()._step()
+        if info is not None and not info.skipped:  # DeepSpeed skips it on overflow
+            if self.client_optimizer is not None:
+                # a torch scheduler checks that its optimizer stepped before it does
+                self.client_optimizer._opt_called = True  # type: ignore[attr-defined]
+            if self.client_lr_scheduler is not None:
+                self.client_lr_scheduler.step()
+        return info
+
+    @property
+    def lr_scheduler(self) -> Any:  # type: ignore[override]
+        return self.client_lr_scheduler
+
+    def get_lr(self) -> list[float]:
+        """Each group's lr now: the one the next update uses (DeepSpeed's get_lr)."""
+        return [float(g["lr"]) for g in self.param_source.param_groups]
+
+    # ------------------------------------------------------------------ DeepSpeed's API
+    @property
+    def local_rank(self) -> int:
+        return local_rank()
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision.dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision.dtype == "bf16"
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero.stage > 0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.is_boundary()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,  # type: ignore[override]
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        if retain_graph or not scale_wrt_gas:
+            raise ValueError("engine.backward: retain_graph=True and scale_wrt_gas=False are "
+                             "not supported by zerotrain.deepspeed; call backward(loss)")
+        super().backward(loss)
+        return loss
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None,
+                     collate_fn: Any = None, **_: Any) -> torch.utils.data.DataLoader:
+        from zerotrain.deepspeed.data import distributed_loader
+
+        return distributed_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(),
+                                  self.rank, self.world_size, collate_fn or self.collate_fn,
+                                  drop_last=bool(self.ds_config.get("dataloader_drop_last",
+                                                                    False)))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _compat_state(self) -> dict[str, Any]:
+        sched = self.client_lr_scheduler
+        state = {"scheduler": sched.state_dict() if sched is not None else None,
+                 "groups": [{k: list(v) if isinstance(v, tuple) else v
+                             for k, v in hyper_of(g, self.synced).items()}
+                            for g in self.param_source.param_groups]}
+        try:
+            json.dumps(state)
+        except TypeError as e:
+            raise ValueError(f"the lr scheduler's state_dict() cannot be saved in a zerotrain "
+                             f"checkpoint (JSON only): {e}") from None
+        return state
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,  # type: ignore[override]
+                        client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: save to save_dir/tag (default global_step<N>); `latest` names it
+        unless save_latest=False. Returns True, as DeepSpeed does."""
+        from zerotrain.checkpoint import save
+
+        self.extra_meta["deepspeed"] = self._compat_state()
+        save(self.state_dict(), save_dir, step=self.global_step, rank=self.rank,
+             world=self.world_size, keep=self.config.checkpoint.keep, client_state=client_state
+             if client_state is not None else {}, name=str(tag) if tag is not None
+             else f"global_step{self.global_step}", latest=save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,  # type: ignore[override]
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[Path | None, Any]:
+        """DeepSpeed's flags: module only (weights and buffers), or also the optimizer
+        state and/or the scheduler. Returns (path, client_state), or (None, None) when
+        `load_dir` has no `latest` and no tag is given (as DeepSpeed)."""
+        from zerotrain.checkpoint import load
+
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...) is not supported by "
+                             "zerotrain.deepspeed")
+        root = Path(load_dir)
+        if tag is None and not (root / "latest").is_file() and not (root / "meta.json").is_file():
+            _rank0(f"no 'latest' file in '{root}': nothing loaded (pass tag= to name one)")
+            return None, None
+        src = root / str(tag) if tag is not None else root
+        keep_optimizer = load_optimizer_states and not load_module_only
+        sd, info = load(src, self.state_dict(), self.rank, reset_optimizer=not keep_optimizer)
+        if load_module_only:
+            self.strategy.load_state_dict(sd["strategy"])
+            self._load_buffers(sd.get("buffers", {}))
+        else:
+            self.load_state_dict(sd)
+            saved = info.meta.get("extra", {}).get("deepspeed") or {}
+            if keep_optimizer and saved.get("groups"):
+                for g, h in zip(self.param_source.param_groups, saved["groups"], strict=True):
+                    g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
+            if (load_lr_scheduler_states and self.client_lr_scheduler is not None
+                    and saved.get("scheduler") is not None):
+                self.client_lr_scheduler.load_state_dict(saved["scheduler"])
+            self.apply_lr()
+        self.last_load = info
+        return info.path, info.client_state
+
+    def _load_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        named = dict(self.module.named_buffers())
+        with torch.no_grad():
+            for name, value in values.items():
+                if name in named:
+                    named[name].copy_(value)
