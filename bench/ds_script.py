@@ -53,7 +53,7 @@ def main():
     torch.manual_seed(0)
     if args.case == "init":  # zero.Init, then rank 0 loads the weights
         reference = Net().state_dict()
-        with deepspeed.zero.Init():
+        with deepspeed.zero.Init(config_dict_or_path=args.deepspeed_config):
             net = Net()
     else:
         net = Net()

@@ -66,7 +66,10 @@ def client_optimizer_name(opt: torch.optim.Optimizer) -> str:
     kind = _CLIENT.get(type(opt))
     if kind is None:
         names = ", ".join(f"torch.optim.{c.__name__}" for c in _CLIENT)
-        raise ValueError(f"client optimizer {type(opt).__module__}.{type(opt).__qualname__}: "
+        cls = type(opt)
+        where = ("torch.optim" if getattr(torch.optim, cls.__name__, None) is cls
+                 else cls.__module__)
+        raise ValueError(f"client optimizer {where}.{cls.__qualname__}: "
                          f"zerotrain.deepspeed runs {names} (their groups and hyper-parameters "
                          "exactly); pass one of those, or name the optimizer in the config's "
                          "`optimizer` block")

@@ -1,0 +1,126 @@
+"""zerotrain.deepspeed against real DeepSpeed: one script (bench/ds_script.py), run
+under DeepSpeed 0.19.8 and with `import zerotrain.deepspeed as deepspeed`, 2 ranks on
+CPU (gloo, fp32), ZeRO stages 0-3; per-step losses (rank 0) and the lr each update
+applies, side by side.
+
+    VENV=/tmp/venv-bench bash bench/setup_peers.sh      # once: the DeepSpeed venv
+    /tmp/venv-bench/bin/python bench/ds_compat.py        # ~15 min on 2 busy cores
+    /tmp/venv-bench/bin/python bench/ds_compat.py --stages 2 --cases config
+
+Cases: `config` (AdamW + WarmupLR from the config, two param groups: no decay on
+biases and norms, training_data), `cosine` (the same with WarmupCosineLR), `client`
+(a client torch.optim.AdamW over the groups + a LambdaLR client scheduler), `sgd`
+(client SGD, Nesterov momentum, a group with its own lr), `init` (built under
+zero.Init, rank 0 loads the weights inside GatheredParameters(modifier_rank=0)).
+Writes bench/results/ds_compat.json and prints a Markdown table; exits 1 when a row
+parts by more than --tol (relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CASES = ("config", "cosine", "client", "sgd", "init")
+
+
+def ds_config(stage: int, case: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6}
+    if case in ("config", "cosine", "init"):
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.999],
+                                                        "eps": 1e-8, "weight_decay": 0.01}}
+    if case in ("config", "init"):
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 1e-4, "warmup_max_lr": 5e-3, "warmup_num_steps": 4}}
+    if case == "cosine":
+        cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {
+            "warmup_min_ratio": 0.1, "warmup_num_steps": 4, "total_num_steps": 12}}
+    return cfg
+
+
+def run(impl: str, stage: int, case: str, steps: int, tmp: Path, timeout: int) -> dict | str:
+    cfg = tmp / f"ds_{stage}_{case}.json"
+    cfg.write_text(json.dumps(ds_config(stage, case)))
+    out = tmp / f"{impl}_{stage}_{case}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(HERE / "ds_script.py"), "--deepspeed", "--deepspeed_config", str(cfg),
+           "--case", case, "--steps", str(steps), "--out", str(out)]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_IMPL=impl)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timed out"
+    # both may abort at interpreter exit (gloo threads); the result file is what counts
+    if not out.is_file():
+        tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:]
+        return f"failed: {tail[0] if tail else proc.returncode}"
+    return json.loads(out.read_text())
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--tol", type=float, default=2e-4)
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--out", default=str(HERE / "results" / "ds_compat.json"))
+    a = p.parse_args()
+    import deepspeed
+    import torch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for case in a.cases.split(","):
+            for stage in map(int, a.stages.split(",")):
+                ds = run("deepspeed", stage, case, a.steps, Path(d), a.timeout)
+                zt = run("zerotrain", stage, case, a.steps, Path(d), a.timeout)
+                row: dict[str, Any] = {"stage": stage, "case": case}
+                if isinstance(ds, str) or isinstance(zt, str):
+                    row.update(error=f"deepspeed: {ds}" if isinstance(ds, str)
+                               else f"zerotrain: {zt}")
+                else:
+                    row.update(
+                        deepspeed=ds, zerotrain=zt,
+                        loss_rel=max(map(rel, zt["losses"], ds["losses"])),
+                        lr_rel=max(rel(x, y) for zs, ds_ in zip(zt["lrs"], ds["lrs"], strict=True)
+                                   for x, y in zip(zs, ds_, strict=True)),
+                        final_loss=(ds["losses"][-1], zt["losses"][-1]))
+                    row["ok"] = row["loss_rel"] <= a.tol and row["lr_rel"] <= a.tol
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items()
+                                  if k not in ("deepspeed", "zerotrain")}), flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({
+        "deepspeed": deepspeed.__version__, "torch": torch.__version__, "steps": a.steps,
+        "tol": a.tol, "world_size": 2, "rows": rows}, indent=1))
+    print(f"\nDeepSpeed {deepspeed.__version__} vs zerotrain.deepspeed, 2 ranks, CPU, fp32, "
+          f"{a.steps} steps (max relative difference over all steps)\n")
+    print("| case | ZeRO stage | losses | applied lrs | last loss DeepSpeed / zerotrain |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['case']} | {r['stage']} | {r['error']} | | |")
+        else:
+            f = r["final_loss"]
+            print(f"| {r['case']} | {r['stage']} | {r['loss_rel']:.1e} | {r['lr_rel']:.1e} | "
+                  f"{f[0]:.6f} / {f[1]:.6f} |")
+    return 0 if all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
