@@ -360,3 +360,24 @@ def test_checkpoint_flags(tmp_path):
     assert only.global_steps == 0 and not only.optimizer.state
     for p, q in zip(only.module.parameters(), eng.module.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_launch_runs_a_script_and_names_the_failed_rank(tmp_path):
+    """`zerotrain launch` (torchrun underneath): the ranks get torchrun's environment, the
+    script its own arguments, and a failure is one line naming the rank."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\n"
+                      "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],"
+                      " sys.argv[1:])\n"
+                      "sys.exit(3 if os.environ['RANK'] == '1' and '--fail' in sys.argv else 0)\n")
+
+    r = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--nproc", "2",
+                        str(script), "--deepspeed_config", "ds.json", "--fail"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert "rank 0 of 2 ['--deepspeed_config', 'ds.json', '--fail']" in r.stdout
+    assert r.returncode == 3
+    assert "zerotrain: rank 1 of 2 failed (exit code 3)" in r.stderr

@@ -30,6 +30,8 @@ def _table(group: str, rows: dict[str, tuple[str, str]]) -> dict[str, Command]:
 COMMANDS: dict[str, Command] = {
     **_table("Train and use a model:", {
         "train": ("train.main_train", "train a model (one process, or --nproc N ranks)"),
+        "launch": ("launch.main_launch", "run your own training script on N local ranks "
+                   "(torchrun underneath; DeepSpeed's launcher in shape)"),
         "lr-find": ("lr_find.main_lr_find", "learning-rate range test: loss against lr, "
                     "and a suggested peak lr"),
         "config": ("config.main_config", "show the config a run would use, fully resolved; "

@@ -55,9 +55,10 @@ def _report(e: ChildFailedError, nproc: int, errors: Path) -> int:
     return code if code > 0 else 1
 
 
-def launch_local(nproc: int, argv: list[str], module: str = "zerotrain",
+def launch_local(nproc: int, argv: list[str], module: str | None = "zerotrain",
                  max_restarts: int = 0) -> int:
-    """Run `python -m <module> <argv>` on `nproc` local ranks; non-zero if the job fails."""
+    """Run `python -m <module> <argv>` on `nproc` local ranks (module None: `python
+    <argv>`, argv[0] being a script); non-zero if the job fails."""
     from torch.distributed import run as torchrun
 
     cores = os.cpu_count() or 1
@@ -75,7 +76,7 @@ def launch_local(nproc: int, argv: list[str], module: str = "zerotrain",
             logging.getLogger(name).setLevel(logging.ERROR)
     args = torchrun.get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-         "--module", module, *argv]
+         *(["--module", module] if module else []), *argv]
     )
     with tempfile.TemporaryDirectory(prefix="zerotrain-errors-") as errors:
         os.environ["ZEROTRAIN_ERROR_DIR"] = errors

@@ -21,6 +21,7 @@ differs is listed in docs/from-deepspeed.md.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
@@ -70,6 +71,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                          "with torchrun (or zerotrain train --nproc)")
     if not launched_by_torchrun():
         return
+    if os.environ.get("ZEROTRAIN_LAUNCHER_PID"):  # started by `zerotrain launch`
+        from zerotrain.lifecycle import die_with_parent
+
+        die_with_parent()
     seconds = int(timeout.total_seconds()) if timeout is not None else 1800
     _engine.OPENED_GROUP = _init_distributed("auto", dist_backend or "auto", seconds).owns_group
 
