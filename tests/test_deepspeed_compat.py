@@ -370,14 +370,19 @@ def test_launch_runs_a_script_and_names_the_failed_rank(tmp_path):
     import sys
 
     script = tmp_path / "train.py"
-    script.write_text("import os, sys\n"
-                      "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],"
-                      " sys.argv[1:])\n"
-                      "sys.exit(3 if os.environ['RANK'] == '1' and '--fail' in sys.argv else 0)\n")
+    done = tmp_path / "rank0.done"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '0':\n"
+                      "    print('rank 0 of', os.environ['WORLD_SIZE'], sys.argv[1:], flush=True)\n"
+                      f"    open({str(done)!r}, 'w').close()\n"
+                      "    time.sleep(60)\n"
+                      f"while not os.path.exists({str(done)!r}):\n"
+                      "    time.sleep(0.05)\n"
+                      "sys.exit(3)\n")
 
     r = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--nproc", "2",
                         str(script), "--deepspeed_config", "ds.json", "--fail"],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert "rank 0 of 2 ['--deepspeed_config', 'ds.json', '--fail']" in r.stdout
+    assert "rank 0 of 2 ['--deepspeed_config', 'ds.json', '--fail']" in r.stdout  # its args
     assert r.returncode == 3
     assert "zerotrain: rank 1 of 2 failed (exit code 3)" in r.stderr
