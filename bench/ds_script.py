@@ -46,6 +46,10 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--save", help="save a checkpoint here after --save-at steps")
+    parser.add_argument("--save-at", type=int, default=6)
+    parser.add_argument("--load", help="resume from this checkpoint, skipping the batches "
+                        "its run has used")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -81,11 +85,17 @@ def main():
                     for name, p in engine.module.named_parameters():
                         p.copy_(reference[name])
 
+    step = skip = 0
+    if args.load:
+        engine.load_checkpoint(args.load)
+        step = skip = engine.global_steps
     criterion = nn.CrossEntropyLoss()
     losses, lrs = [], []
-    step = 0
     while step < args.steps:
         for x, y in loader:
+            if skip:
+                skip -= 1
+                continue
             lrs.append([g["lr"] for g in optimizer.param_groups])  # the lr this step applies
             out = engine(x.to(engine.device))
             loss = criterion(out, y.to(engine.device))
@@ -93,6 +103,8 @@ def main():
             engine.step()
             losses.append(loss.item())
             step += 1
+            if args.save and step == args.save_at:
+                engine.save_checkpoint(args.save)
             if step == args.steps:
                 break
     if engine.global_rank == 0:

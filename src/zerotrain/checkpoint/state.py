@@ -109,7 +109,8 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
         # per-matrix tensors); that follows from layout and optimizer alone, so every
         # rank takes the same branch
         same = _cut(rmeta) == _cut(template["meta"]["rank_layout"])
-    sd = _same_layout(tensors, rmeta, template) if same else _resliced(ckpt, meta, template)
+    sd = (_same_layout(tensors, rmeta, template) if same
+          else resliced(SavedShards(ckpt, meta), template))
     if reset:
         sd["optimizer"] = {"state": {}}
     sd.update(scaler=meta["scaler"],
@@ -161,11 +162,12 @@ def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dic
             "buffers": buffers}
 
 
-def _resliced(ckpt: Path, meta: dict, template: dict) -> dict[str, Any]:
-    """Cut every rank's saved shards along the template's layout, reading only this
-    rank's ranges. The RNG is not carried over: rank r of another world size is
-    another stream."""
-    saved = SavedShards(ckpt, meta)
+def resliced(saved: SavedShards, template: dict) -> dict[str, Any]:
+    """Cut saved full-parameter state along the template's layout, reading only this
+    rank's ranges. `saved`: every rank's shards of a checkpoint (`SavedShards`), or any
+    object with its reader(kind), state_names(params), scalars and buffers() (a DeepSpeed
+    checkpoint: zerotrain/deepspeed/checkpoint.py). The RNG is not carried over: rank r
+    of another world size is another stream."""
     layout, cut = template["meta"]["layout"], template["meta"]["rank_layout"]
     strategy: dict[str, Tensor] = {}
     for ui, unit in enumerate(layout["units"]):

@@ -52,6 +52,7 @@ def _close_all() -> None:
     for engine in list(ENGINES):
         engine.close()
     if OPENED_GROUP and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank tears its connections down under another's
         torch.distributed.destroy_process_group()
 
 
@@ -236,6 +237,12 @@ class DeepSpeedEngine(Engine):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported by "
                              "zerotrain.deepspeed")
+        from zerotrain.deepspeed import checkpoint as ds_checkpoint
+
+        folder = ds_checkpoint.find(load_dir, tag)
+        if folder is not None:  # written by DeepSpeed: a run migrating to zerotrain
+            return self._load_deepspeed(folder, load_optimizer_states, load_lr_scheduler_states,
+                                        load_module_only)
         root = Path(load_dir)
         if tag is None and not (root / "latest").is_file() and not (root / "meta.json").is_file():
             _rank0(f"no 'latest' file in '{root}': nothing loaded (pass tag= to name one)")
@@ -258,6 +265,37 @@ class DeepSpeedEngine(Engine):
             self.apply_lr()
         self.last_load = info
         return info.path, info.client_state
+
+    def _load_deepspeed(self, folder: Path, load_optimizer_states: bool,
+                        load_lr_scheduler_states: bool, load_module_only: bool
+                        ) -> tuple[Path, Any]:
+        """A DeepSpeed checkpoint folder: weights, moments, steps, scheduler (see
+        deepspeed/checkpoint.py), with DeepSpeed's flags."""
+        from zerotrain.checkpoint.state import resliced
+        from zerotrain.deepspeed.checkpoint import DeepSpeedShards
+
+        name_of = {id(p): n for n, p in self.module.named_parameters()}
+        names = [[name_of[id(p)] for p in g["params"]] for g in self.param_source.param_groups]
+        shards = DeepSpeedShards(folder, names)
+        sd = resliced(shards, self.state_dict())  # type: ignore[arg-type]
+        if load_module_only:
+            self.strategy.load_state_dict(sd["strategy"])
+            self._load_buffers(sd["buffers"])
+            return folder, shards.client_state()
+        if not load_optimizer_states:
+            sd["optimizer"] = {"state": {}}
+        steps = shards.global_steps
+        sd.update(scaler=self.scaler.state_dict(), counters={
+            "global_step": steps, "micro_step": steps * self.accum, "spike_guard": None})
+        self.load_state_dict(sd)
+        if load_optimizer_states and len(shards.groups) == len(self.param_source.param_groups):
+            for g, saved in zip(self.param_source.param_groups, shards.groups, strict=True):
+                g["lr"] = float(saved["lr"])
+        sched = shards.model.get("lr_scheduler")
+        if load_lr_scheduler_states and self.client_lr_scheduler is not None and sched:
+            self.client_lr_scheduler.load_state_dict(sched)
+        self.apply_lr()
+        return folder, shards.client_state()
 
     def _load_buffers(self, values: dict[str, torch.Tensor]) -> None:
         named = dict(self.module.named_buffers())
