@@ -11,7 +11,10 @@ Cases: `config` (AdamW + WarmupLR from the config, two param groups: no decay on
 biases and norms, training_data), `cosine` (the same with WarmupCosineLR), `client`
 (a client torch.optim.AdamW over the groups + a LambdaLR client scheduler), `sgd`
 (client SGD, Nesterov momentum, a group with its own lr), `init` (built under
-zero.Init, rank 0 loads the weights inside GatheredParameters(modifier_rank=0)).
+zero.Init, rank 0 loads the weights inside GatheredParameters(modifier_rank=0)),
+`resume` (as `config`; DeepSpeed saves its checkpoint after 6 steps and goes on,
+zerotrain.deepspeed loads DeepSpeed's folder into a fresh engine and continues: the
+continuations are compared).
 Writes bench/results/ds_compat.json and prints a Markdown table; exits 1 when a row
 parts by more than --tol (relative).
 """
@@ -28,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CASES = ("config", "cosine", "client", "sgd", "init")
+CASES = ("config", "cosine", "client", "sgd", "init", "resume")
+SAVE_AT = 6  # `resume`: DeepSpeed saves here and goes on; zerotrain resumes from its files
 
 
 def ds_config(stage: int, case: str) -> dict[str, Any]:
@@ -36,10 +40,10 @@ def ds_config(stage: int, case: str) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**6}
-    if case in ("config", "cosine", "init"):
+    if case in ("config", "cosine", "init", "resume"):
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.999],
                                                         "eps": 1e-8, "weight_decay": 0.01}}
-    if case in ("config", "init"):
+    if case in ("config", "init", "resume"):
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": 1e-4, "warmup_max_lr": 5e-3, "warmup_num_steps": 4}}
     if case == "cosine":
@@ -54,7 +58,12 @@ def run(impl: str, stage: int, case: str, steps: int, tmp: Path, timeout: int) -
     out = tmp / f"{impl}_{stage}_{case}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(HERE / "ds_script.py"), "--deepspeed", "--deepspeed_config", str(cfg),
-           "--case", case, "--steps", str(steps), "--out", str(out)]
+           "--case", "config" if case == "resume" else case, "--steps", str(steps),
+           "--out", str(out)]
+    if case == "resume":
+        ck = str(tmp / f"ck_{stage}")
+        cmd += ["--save", ck, "--save-at", str(SAVE_AT)] if impl == "deepspeed" else \
+            ["--load", ck]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_IMPL=impl)
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -94,6 +103,8 @@ def main() -> int:
                     row.update(error=f"deepspeed: {ds}" if isinstance(ds, str)
                                else f"zerotrain: {zt}")
                 else:
+                    if case == "resume":  # DeepSpeed's own continuation is the reference
+                        ds = {**ds, "losses": ds["losses"][SAVE_AT:], "lrs": ds["lrs"][SAVE_AT:]}
                     row.update(
                         deepspeed=ds, zerotrain=zt,
                         loss_rel=max(map(rel, zt["losses"], ds["losses"])),

@@ -386,3 +386,58 @@ def test_launch_runs_a_script_and_names_the_failed_rank(tmp_path):
     assert "rank 0 of 2 ['--deepspeed_config', 'ds.json', '--fail']" in r.stdout  # its args
     assert r.returncode == 3
     assert "zerotrain: rank 1 of 2 failed (exit code 3)" in r.stderr
+
+
+class _NotAllowed:
+    """A type DeepSpeed never writes: unpickling it must be refused."""
+
+
+def _ds_stage0_folder(root, net: nn.Module, opt: torch.optim.Optimizer, steps: int,
+                      extra: dict) -> None:
+    """A ZeRO-0 DeepSpeed checkpoint as DeepSpeed 0.19.8 lays it out (bench/ds_compat.py
+    checks the reader against folders real DeepSpeed wrote, at stages 0-3)."""
+    folder = root / f"global_step{steps}"
+    folder.mkdir(parents=True)
+    torch.save({"module": net.state_dict(), "optimizer": opt.state_dict(),
+                "lr_scheduler": None, "global_steps": steps, "skipped_steps": 0,
+                "buffer_names": [], "param_shapes": None, "ds_version": "0.19.8", **extra},
+               folder / "mp_rank_00_model_states.pt")
+    (root / "latest").write_text(folder.name)
+
+
+def test_deepspeed_checkpoint_folder_resumes_and_unknown_types_are_refused(tmp_path):
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+
+    def step(model, opt=None, engine=None) -> float:
+        loss = nn.functional.cross_entropy((engine or model)(x), y)
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        return loss.item()
+
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = client("AdamW", ref)
+    for _ in range(3):
+        step(ref, ref_opt)
+    _ds_stage0_folder(tmp_path / "ds", ref, ref_opt, 3, {"epoch": 7})
+    torch.manual_seed(5)
+    net = Net()
+    eng, _, _, _ = deepspeed.initialize(model=net, optimizer=client("AdamW", net),
+                                        config=ds_config(0, optimizer=False, scheduler=None))
+    path, client_state = eng.load_checkpoint(tmp_path / "ds")
+    assert path.name == "global_step3" and client_state == {"epoch": 7}
+    assert eng.global_steps == 3
+    got = [step(net, engine=eng) for _ in range(3)]
+    want = [step(ref, ref_opt) for _ in range(3)]
+    assert close(got, want, tol=1e-6)
+
+    _ds_stage0_folder(tmp_path / "bad", ref, ref_opt, 3, {"payload": _NotAllowed()})
+    with pytest.raises(ValueError, match=r"weights_only=True.*_NotAllowed is not on the "
+                                         r"allow-list"):
+        eng.load_checkpoint(tmp_path / "bad")
