@@ -312,6 +312,12 @@ def test_refusals_name_the_problem():
         deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(),
                                                                     amsgrad=True),
                              config=ds_config(0, optimizer=False))
+    net = Net()
+    used = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 8)).sum().backward()
+    used.step()
+    with pytest.raises(ValueError, match="has already stepped"):
+        deepspeed.initialize(model=net, optimizer=used, config=ds_config(0, optimizer=False))
     with pytest.raises(ValueError, match="mpu"):
         deepspeed.initialize(model=Net(), mpu=object(), config=ds_config(0))
     with pytest.raises(ValueError, match="no optimizer"):

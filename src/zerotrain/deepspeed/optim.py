@@ -74,6 +74,11 @@ def client_optimizer_name(opt: torch.optim.Optimizer) -> str:
                          "exactly); pass one of those, or name the optimizer in the config's "
                          "`optimizer` block")
     name, fixed = kind
+    if any(st and float(st.get("step", 1)) > 0 for st in opt.state.values()):  # Adagrad: step 0
+        raise ValueError(f"client optimizer {type(opt).__name__} has already stepped: its state "
+                         "(moments, steps) would not carry over to zerotrain's sharded "
+                         "optimizer; pass a fresh optimizer and restore state with "
+                         "engine.load_checkpoint")
     for i, g in enumerate(opt.param_groups):
         for flag, want in fixed.items():
             if bool(g.get(flag, want)) != want:
