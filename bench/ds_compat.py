@@ -93,7 +93,14 @@ def main() -> int:
     import deepspeed
     import torch
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def write() -> None:  # after every row: a long run that stops keeps what it measured
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({
+            "deepspeed": deepspeed.__version__, "torch": torch.__version__, "steps": a.steps,
+            "tol": a.tol, "world_size": 2, "rows": rows}, indent=1))
+
     with tempfile.TemporaryDirectory() as d:
         for case in a.cases.split(","):
             for stage in map(int, a.stages.split(",")):
@@ -106,8 +113,9 @@ def main() -> int:
                     # DeepSpeed's own continuation is the reference
                     ds = {**ds, "losses": ds["losses"][SAVE_AT:], "lrs": ds["lrs"][SAVE_AT:]}
                 if (not isinstance(ds, str) and not isinstance(zt, str)
-                        and len(ds["losses"]) != len(zt["losses"])):
-                    zt = f"{len(zt['losses'])} steps where DeepSpeed ran {len(ds['losses'])}"
+                        and [len(g) for g in ds["lrs"]] != [len(g) for g in zt["lrs"]]):
+                    zt = (f"{len(zt['lrs'])} steps × {len(zt['lrs'][0])} groups where DeepSpeed "
+                          f"ran {len(ds['lrs'])} × {len(ds['lrs'][0])}")
                 if isinstance(ds, str) or isinstance(zt, str):
                     row.update(error=f"deepspeed: {ds}" if isinstance(ds, str)
                                else f"zerotrain: {zt}")
@@ -120,12 +128,9 @@ def main() -> int:
                         final_loss=(ds["losses"][-1], zt["losses"][-1]))
                     row["ok"] = row["loss_rel"] <= a.tol and row["lr_rel"] <= a.tol
                 rows.append(row)
+                write()
                 print(json.dumps({k: v for k, v in row.items()
                                   if k not in ("deepspeed", "zerotrain")}), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({
-        "deepspeed": deepspeed.__version__, "torch": torch.__version__, "steps": a.steps,
-        "tol": a.tol, "world_size": 2, "rows": rows}, indent=1))
     print(f"\nDeepSpeed {deepspeed.__version__} vs zerotrain.deepspeed, 2 ranks, CPU, fp32, "
           f"{a.steps} steps (max relative difference over all steps)\n")
     print("| case | ZeRO stage | losses | applied lrs | last loss DeepSpeed / zerotrain |")

@@ -61,8 +61,10 @@ def main():
             net = Net()
     else:
         net = Net()
-    decay = [p for n, p in net.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in net.named_parameters() if p.ndim < 2]
+    # under DeepSpeed's zero.Init a parameter is a flat partition: its shape is ds_shape
+    dims = {n: len(getattr(p, "ds_shape", p.shape)) for n, p in net.named_parameters()}
+    decay = [p for n, p in net.named_parameters() if dims[n] >= 2]
+    no_decay = [p for n, p in net.named_parameters() if dims[n] < 2]
     groups = [{"params": decay, "weight_decay": 0.1},
               {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {}
