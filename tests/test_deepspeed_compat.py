@@ -322,6 +322,11 @@ def test_refusals_name_the_problem():
         deepspeed.initialize(model=Net(), mpu=object(), config=ds_config(0))
     with pytest.raises(ValueError, match="no optimizer"):
         deepspeed.initialize(model=Net(), config=ds_config(0, optimizer=False))
+    with deepspeed.zero.Init():
+        meta = Net()
+    with pytest.raises(ValueError, match="enter the block after initialize"), \
+            deepspeed.zero.GatheredParameters(list(meta.parameters()), modifier_rank=0):
+        pass
     net = Net()
     with pytest.raises(ValueError, match="in no optimizer group"):
         deepspeed.initialize(model=net, model_parameters=[net.head.weight], config=ds_config(0))
