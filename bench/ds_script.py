@@ -55,10 +55,15 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
 
     torch.manual_seed(0)
-    if args.case == "init":  # zero.Init, then rank 0 loads the weights
+    if args.case == "init":  # built under zero.Init; rank 0 loads the weights into it
         reference = Net().state_dict()
         with deepspeed.zero.Init(config_dict_or_path=args.deepspeed_config):
             net = Net()
+        with deepspeed.zero.GatheredParameters(list(net.parameters()), modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                with torch.no_grad():
+                    for name, p in net.named_parameters():
+                        p.copy_(reference[name])
     else:
         net = Net()
     # under DeepSpeed's zero.Init a parameter is a flat partition: its shape is ds_shape
@@ -79,14 +84,6 @@ def main():
         kwargs["model_parameters"] = groups
     engine, optimizer, loader, _ = deepspeed.initialize(
         args=args, model=net, training_data=dataset(), **kwargs)
-    if args.case == "init":
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            if engine.global_rank == 0:
-                with torch.no_grad():
-                    for name, p in engine.module.named_parameters():
-                        p.copy_(reference[name])
-
     step = skip = 0
     if args.load:
         engine.load_checkpoint(args.load)

@@ -151,21 +151,34 @@ def _ranks(tmp: str) -> dict:
         c = train(eng2, opt2, batches[STEPS:])
         out[f"resume_{sched_kind}{stage}"] = (a, b, c, client_state, path.name,
                                               eng2.global_steps, batches)
-    # zero.Init: built on the meta device; rank 0's weights spread by GatheredParameters
+    # zero.Init: built on the meta device; rank 0's weights spread by GatheredParameters,
+    # before initialize (DeepSpeed's way to load weights) or after it
     torch.manual_seed(0)
     reference = Net().state_dict()
-    with deepspeed.zero.Init():
-        net = Net()
-    built_on_meta = all(p.device.type == "meta" for p in net.parameters())
-    eng, opt, loader, _ = deepspeed.initialize(model=net, model_parameters=groups_of(net),
-                                               training_data=dataset(), config=ds_config(3))
-    with deepspeed.zero.GatheredParameters(list(net.parameters()), modifier_rank=0), \
-            torch.no_grad():
-        for name, p in net.named_parameters():
-                p.copy_(reference[name] if eng.global_rank == 0 else torch.full_like(p, 7.0))
-    with deepspeed.zero.GatheredParameters(list(net.parameters())):
-        held = {n: p.detach().clone() for n, p in net.named_parameters()}
-    out["init"] = (built_on_meta, held, reference, *train(eng, opt, first(loader, STEPS)))
+
+    def load(net: nn.Module, rank: int) -> None:
+        with deepspeed.zero.GatheredParameters(list(net.parameters()), modifier_rank=0), \
+                torch.no_grad():
+            for name, p in net.named_parameters():
+                p.copy_(reference[name] if rank == 0 else torch.full_like(p, 7.0))
+
+    for stage, when in ((3, "after"), (3, "before"), (1, "before")):
+        with deepspeed.zero.Init():
+            net = Net()
+        built_on_meta = all(p.device.type == "meta" for p in net.parameters())
+        if when == "before":
+            load(net, torch.distributed.get_rank())
+            still_meta = all(p.device.type == "meta" for p in net.parameters())
+        eng, opt, loader, _ = deepspeed.initialize(
+            model=net, model_parameters=groups_of(net), training_data=dataset(),
+            config=ds_config(stage))
+        if when == "after":
+            load(net, eng.global_rank)
+            still_meta = True
+        with deepspeed.zero.GatheredParameters(list(net.parameters())):
+            held = {n: p.detach().clone() for n, p in net.named_parameters()}
+        out[f"init_{when}{stage}"] = (built_on_meta and still_meta, held, reference,
+                                      *train(eng, opt, first(loader, STEPS)))
     return out
 
 
@@ -255,14 +268,16 @@ def test_resume_in_a_fresh_engine_continues_bit_identically(ranks, case):
             assert close(a[0] + b[0], ref[r])
 
 
-def test_zero_init_and_gathered_parameters_modifier_rank(ranks):
+@pytest.mark.parametrize("case", ["after3", "before3", "before1"])
+def test_zero_init_and_gathered_parameters_modifier_rank(ranks, case):
     for r in range(2):
-        meta, held, reference, _losses, _ = ranks[r]["init"]
+        meta, held, reference, _losses, _ = ranks[r][f"init_{case}"]
         assert meta
         for name, t in reference.items():
             assert torch.equal(held[name], t), name  # rank 0's values, on every rank
-    # the same run as the config case at stage 3 from the same weights
-    assert close(ranks[0]["init"][3], ranks[0]["config3"][0], tol=1e-6)
+    # the same run as the config case at that stage, from the same weights
+    stage = case[-1]
+    assert close(ranks[0][f"init_{case}"][3], ranks[0][f"config{stage}"][0], tol=1e-6)
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -322,11 +337,6 @@ def test_refusals_name_the_problem():
         deepspeed.initialize(model=Net(), mpu=object(), config=ds_config(0))
     with pytest.raises(ValueError, match="no optimizer"):
         deepspeed.initialize(model=Net(), config=ds_config(0, optimizer=False))
-    with deepspeed.zero.Init():
-        meta = Net()
-    with pytest.raises(ValueError, match="enter the block after initialize"), \
-            deepspeed.zero.GatheredParameters(list(meta.parameters()), modifier_rank=0):
-        pass
     net = Net()
     with pytest.raises(ValueError, match="in no optimizer group"):
         deepspeed.initialize(model=net, model_parameters=[net.head.weight], config=ds_config(0))

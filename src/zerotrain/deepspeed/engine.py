@@ -116,8 +116,25 @@ class DeepSpeedEngine(Engine):
                                         else client_lr_scheduler)
         else:
             self.client_lr_scheduler = config_scheduler(self.param_source, config, ds)
+        from zerotrain.deepspeed.zero import take_pending
+
+        pending = take_pending(model)  # weights written under zero.GatheredParameters
+        if pending:
+            with self.full_parameters():
+                self.write_weights(pending)
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         ENGINES.add(self)
+
+    def write_weights(self, values: dict[str, torch.Tensor]) -> None:
+        """Make the master weights every rank keeps equal the parameters as they are now
+        (whole: call inside `full_parameters()`), with `values` (by name) taking the place
+        of theirs."""
+        full = dict(self.module.named_parameters())
+
+        def read(name: str, start: int, stop: int) -> torch.Tensor:
+            t = values[name] if name in values else full[name].detach()
+            return t.reshape(-1)[start:stop]
+        self.strategy.load_weights(read)
 
     # ------------------------------------------------------------------ optimizer
     def group_options(self) -> dict[int, dict[str, Any]]:

@@ -11,7 +11,15 @@ the same distributions as an eager build, other draws. Load real weights inside
 the engine's model is whole on every rank (ZeRO-3 gathers; a collective, so every rank
 enters it). With `modifier_rank`, that rank's values of `params` are broadcast on exit
 and become the master weights every rank keeps (re-sharded); without it, edits are
-discarded as in DeepSpeed where weights are partitioned.
+discarded as in DeepSpeed where weights are partitioned. (DeepSpeed itself does not
+copy such edits into its fp32 master copy after `initialize`: its first step undoes
+them. zerotrain keeps them.)
+
+Before `initialize`, on a model built under `Init` (DeepSpeed's usual way to load
+pretrained weights), the parameters are real tensors inside the block (zeros: nothing
+is drawn before `initialize` lays the model out); with `modifier_rank`, that rank's
+values are broadcast on exit and kept aside (on the host) until `initialize`, which
+writes them over the initial values; the parameters go back to the meta device.
 """
 
 from __future__ import annotations
@@ -66,6 +74,38 @@ def _broadcast(params: list[Tensor], src: int) -> None:
                 dist.broadcast(p.data, src=src)
 
 
+#: id(parameter) -> (parameter, values written before initialize); initialize takes them
+_PENDING: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def take_pending(module: torch.nn.Module) -> dict[str, Tensor]:
+    """Values written into `module`'s meta parameters before initialize, by name."""
+    out = {}
+    for name, p in module.named_parameters():
+        if id(p) in _PENDING and _PENDING[id(p)][0] is p:
+            out[name] = _PENDING.pop(id(p))[1]
+    return out
+
+
+@contextmanager
+def _on_host(params: list[Tensor], modifier_rank: int | None) -> Iterator[None]:
+    """Meta parameters made real (zeros) for the block, kept aside on exit."""
+    meta = [p for p in params if p.device.type == "meta"]
+    for p in meta:
+        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
+                                                       p.requires_grad))
+    try:
+        yield
+        if modifier_rank is not None:
+            _broadcast(params, modifier_rank)
+            for p in meta:
+                _PENDING[id(p)] = (p, p.detach().clone())
+    finally:
+        for p in meta:
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(
+                p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
+
+
 @contextmanager
 def GatheredParameters(params: Any, modifier_rank: int | None = None,
                        fwd_module: Any = None, enabled: bool = True) -> Iterator[None]:
@@ -76,20 +116,11 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None,
         return
     engine = _owner(plist)
     if engine is None:  # before initialize: the parameters are the module's own
-        if any(p.device.type == "meta" for p in plist):
-            raise ValueError("GatheredParameters on a model built under zero.Init before "
-                             "deepspeed.initialize: zerotrain allocates its weights when "
-                             "initialize lays it out; enter the block after initialize")
-        yield
-        if modifier_rank is not None:
-            _broadcast(plist, modifier_rank)
+        with _on_host(plist, modifier_rank):
+            yield
         return
     with engine.full_parameters():
         yield
         if modifier_rank is not None:
             _broadcast(plist, modifier_rank)
-            full = {n: p for n, p in engine.module.named_parameters()}
-
-            def read(name: str, start: int, stop: int) -> Tensor:
-                return full[name].detach().reshape(-1)[start:stop]
-            engine.strategy.load_weights(read)
+            engine.write_weights({})
