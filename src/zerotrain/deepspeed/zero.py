@@ -5,7 +5,7 @@ allocated); `initialize` then lays it out and gives each rank only its part, uni
 unit, with the values of each module's `reset_parameters()` (or the model plan's init
 rule). The values are drawn when the engine lays the model out, not while it is built:
 the same distributions as an eager build, other draws. Load real weights inside
-`GatheredParameters(..., modifier_rank=0)` after `initialize`.
+`GatheredParameters(..., modifier_rank=0)`, before or after `initialize`.
 
 `GatheredParameters(params, modifier_rank=None)`: inside the block every parameter of
 the engine's model is whole on every rank (ZeRO-3 gathers; a collective, so every rank
