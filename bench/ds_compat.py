@@ -15,7 +15,8 @@ zero.Init, rank 0 loads the weights inside GatheredParameters(modifier_rank=0); 
 only: below it DeepSpeed's partitioned weights reach the forward and it fails),
 `resume` (as `config`; DeepSpeed saves its checkpoint after 6 steps and goes on,
 zerotrain.deepspeed loads DeepSpeed's folder into a fresh engine and continues: the
-continuations are compared).
+continuations are compared), `accum` (as `config`, with gradient_accumulation_steps 2:
+the lr is read at every micro-step).
 Writes bench/results/ds_compat.json and prints a Markdown table; exits 1 when a row
 parts by more than --tol (relative).
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CASES = ("config", "cosine", "client", "sgd", "init", "resume")
+CASES = ("config", "cosine", "client", "sgd", "init", "resume", "accum")
 SAVE_AT = 6  # `resume`: DeepSpeed saves here and goes on; zerotrain resumes from its files
 
 
@@ -41,10 +42,12 @@ def ds_config(stage: int, case: str) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**6}
-    if case in ("config", "cosine", "init", "resume"):
+    if case == "accum":
+        cfg["gradient_accumulation_steps"] = 2
+    if case in ("config", "cosine", "init", "resume", "accum"):
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.999],
                                                         "eps": 1e-8, "weight_decay": 0.01}}
-    if case in ("config", "init", "resume"):
+    if case in ("config", "init", "resume", "accum"):
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": 1e-4, "warmup_max_lr": 5e-3, "warmup_num_steps": 4}}
     if case == "cosine":
@@ -59,7 +62,7 @@ def run(impl: str, stage: int, case: str, steps: int, tmp: Path, timeout: int) -
     out = tmp / f"{impl}_{stage}_{case}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(HERE / "ds_script.py"), "--deepspeed", "--deepspeed_config", str(cfg),
-           "--case", "config" if case == "resume" else case, "--steps", str(steps),
+           "--case", "config" if case in ("resume", "accum") else case, "--steps", str(steps),
            "--out", str(out)]
     if case == "resume":
         ck = str(tmp / f"ck_{stage}")
@@ -89,11 +92,15 @@ def main() -> int:
     p.add_argument("--tol", type=float, default=2e-4)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--out", default=str(HERE / "results" / "ds_compat.json"))
+    p.add_argument("--update", action="store_true",
+                   help="keep --out's other rows; replace only the rows run now")
     a = p.parse_args()
     import deepspeed
     import torch
 
     rows: list[dict[str, Any]] = []
+    if a.update and Path(a.out).is_file():
+        rows = json.loads(Path(a.out).read_text())["rows"]
 
     def write() -> None:  # after every row: a long run that stops keeps what it measured
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +134,7 @@ def main() -> int:
                                    for x, y in zip(zs, ds_, strict=True)),
                         final_loss=(ds["losses"][-1], zt["losses"][-1]))
                     row["ok"] = row["loss_rel"] <= a.tol and row["lr_rel"] <= a.tol
-                rows.append(row)
+                rows = [r for r in rows if (r["case"], r["stage"]) != (case, stage)] + [row]
                 write()
                 print(json.dumps({k: v for k, v in row.items()
                                   if k not in ("deepspeed", "zerotrain")}), flush=True)
