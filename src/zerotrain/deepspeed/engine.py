@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,31 @@ ENGINES: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
 OPENED_GROUP = False
 
 
+_UNCAUGHT = False
+_previous_hook = sys.excepthook
+
+
+def _note_uncaught(*exc: Any) -> None:
+    global _UNCAUGHT
+    _UNCAUGHT = True
+    _previous_hook(*exc)
+
+
+sys.excepthook = _note_uncaught
+
+
 @atexit.register
 def _close_all() -> None:
     """DeepSpeed scripts end without closing anything: stop each engine's communication
-    thread before the interpreter does (a live one aborts the process at exit)."""
+    thread and close the group we opened before the interpreter does (torn down under a
+    rank still using it, gloo aborts the process at exit). The barrier first, so no rank
+    tears its connections down under another's, unless this rank is dying of an error
+    (the others may never get there)."""
     for engine in list(ENGINES):
         engine.close()
     if OPENED_GROUP and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no rank tears its connections down under another's
+        if not _UNCAUGHT:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
