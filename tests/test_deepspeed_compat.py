@@ -111,6 +111,7 @@ def _ranks(tmp: str) -> dict:
         batches = first(loader, STEPS)
         out[f"config{stage}"] = (*train(eng, opt, batches), batches,
                                  [i for x, _ in batches for i in x[:, 0].tolist()])
+    out["comm"] = (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size())
     for stage, kind in enumerate(("Adam", "SGD", "Adagrad", "RMSprop")):
         torch.manual_seed(0)
         net = Net()
@@ -236,6 +237,7 @@ def test_config_optimizer_warmup_two_groups_matches_deepspeed_sequence(ranks, st
 
 
 def test_training_data_is_split_disjointly_in_micro_batches(ranks):
+    assert [ranks[r]["comm"] for r in range(2)] == [(0, 2), (1, 2)]  # deepspeed.comm
     seen = [ranks[r]["config0"][3] for r in range(2)]
     assert all(len(x) == 4 * STEPS for x in seen)  # micro batch 4 from the config
     drawn = [set(x) for x in seen]  # STEPS batches are within the first epoch (6 per rank)
@@ -360,6 +362,7 @@ def test_client_optimizer_wins_over_the_config_block_and_engine_surface(capsys):
     acc = get_accelerator()
     assert acc.is_available() and acc.device_name(0) in ("cpu", "cuda:0")
     assert acc.communication_backend_name() in ("gloo", "nccl")
+    assert (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()) == (0, 1)
 
 
 def test_checkpoint_flags(tmp_path):

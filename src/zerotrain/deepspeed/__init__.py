@@ -28,13 +28,13 @@ import torch
 
 from zerotrain.comm.dist import init_distributed as _init_distributed
 from zerotrain.comm.dist import launched_by_torchrun, world
-from zerotrain.deepspeed import accelerator, zero
+from zerotrain.deepspeed import accelerator, comm, zero
 from zerotrain.deepspeed import engine as _engine
 from zerotrain.deepspeed.engine import DeepSpeedEngine
 from zerotrain.deepspeed_config import load_deepspeed_config, looks_like_deepspeed, read_deepspeed
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "init_distributed",
-           "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm",
+           "init_distributed", "initialize", "zero"]
 
 __version__ = "0.19.8"  # the DeepSpeed release whose behaviour this layer follows
 
