@@ -122,6 +122,23 @@ def _ranks(tmp: str) -> dict:
                                                                     scheduler=None))
         batches = first(loader, STEPS)
         out[f"client{kind}{stage}"] = (*train(eng, opt, batches), batches)
+    # Muon with the no-decay grouping at ZeRO-2 (owner scheme) vs the native engine's Muon
+    # with decay_1d off: the same groups, built from the model's plan instead
+    torch.manual_seed(0)
+    net = Net()
+    muon = {**ds_config(2, scheduler=None), "optimizer": {"type": "Muon", "params": {
+        "lr": 2e-2, "weight_decay": 0.1}}}
+    eng, opt, loader, _ = deepspeed.initialize(model=net, model_parameters=groups_of(net),
+                                               training_data=dataset(), config=muon)
+    batches = first(loader, STEPS)
+    got = train(eng, opt, batches)[0]
+    cfg = eng.config.model_copy(update={"optimizer": eng.config.optimizer.model_copy(
+        update={"decay_1d": False})})
+    torch.manual_seed(0)
+    from zerotrain.engine import Engine
+    native = Engine(Net(), cfg)
+    out["muon2"] = (got, train(native, native.optimizer, batches)[0],
+                    sorted({g["group_id"] for g in eng.optimizer.param_groups}))
     # client AdamW + a client scheduler, saved mid-run and resumed in a fresh engine
     for stage, sched_kind in ((1, "client"), (3, "config")):
         torch.manual_seed(0)
@@ -252,6 +269,15 @@ def test_client_optimizers_keep_groups_and_hyperparameters(ranks, kind):
     ref = reference_run([x[2] for x in res], lambda n: client(kind, n))
     for r in range(2):
         assert close(res[r][0], ref[r]), (kind, res[r][0], ref[r])
+
+
+def test_muon_with_param_groups_at_zero2(ranks):
+    # group 0: the matrices (orthogonalised); 2: user group 1 (biases, norms) on AdamW;
+    # group 1 (user group 0's non-matrices) is empty here
+    assert set(ranks[0]["muon2"][2]) | set(ranks[1]["muon2"][2]) == {0, 2}
+    for r in range(2):
+        got, native, _ = ranks[r]["muon2"]
+        assert close(got, native, tol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["client1", "config3"])

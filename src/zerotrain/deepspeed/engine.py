@@ -37,7 +37,7 @@ from zerotrain.deepspeed.optim import (
     user_groups,
 )
 from zerotrain.engine import Engine, StepInfo
-from zerotrain.models import plan_for
+from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
 
 #: live engines, so zero.GatheredParameters can find the engine that owns a parameter
@@ -103,7 +103,7 @@ class DeepSpeedEngine(Engine):
             groups = user_groups(model, model_parameters)
             # the defaults DeepSpeed's optimizer class gives, as zerotrain maps them
             probe = build_optimizer(config.optimizer, [{"params": [torch.zeros(1)]}])
-            defaults = {k: v for k, v in probe.defaults.items() if k in HYPER.get(name, ("lr",))}
+            defaults = {k: v for k, v in probe.defaults.items() if k in HYPER[name]}
             self.param_source = ParamGroups(groups, defaults)
         if name != config.optimizer.name:
             config = config.model_copy(update={"optimizer": config.optimizer.model_copy(
@@ -111,16 +111,14 @@ class DeepSpeedEngine(Engine):
         self.uses_muon = name == "muon"
         plan = plan_for(model)
         src = self.param_source.param_groups
-        if self.uses_muon:  # Muon's groups come from the model's plan (matrices vs the rest)
-            if len(src) > 1:
-                raise ValueError("optimizer Muon with several param groups: zerotrain's Muon "
-                                 "chooses its matrices by the model's plan; pass "
-                                 "model.parameters()")
-            group_index(model, src)
-            self.synced: tuple[str, ...] = ("lr",)
+        where = group_index(model, src)
+        self.synced = HYPER[name]
+        #: optimizer group id -> the user group whose hyper-parameters it takes
+        self.source_of = {i: i for i in range(len(src))}
+        if self.uses_muon:
+            plan = self._muon_plan(plan, where)
         else:
-            plan = dataclasses.replace(plan, groups=group_index(model, src))
-            self.synced = HYPER[name]
+            plan = dataclasses.replace(plan, groups=where)
         super().__init__(model, config, plan=plan)
         self.ds_config = ds
         self.collate_fn = collate_fn
@@ -155,18 +153,36 @@ class DeepSpeedEngine(Engine):
         self.strategy.load_weights(read)
 
     # ------------------------------------------------------------------ optimizer
+    def _muon_plan(self, plan: Any, where: dict[str, int]) -> Any:
+        """Muon: the plan's weight matrices form group 0, orthogonalised (at stages 1-3 by
+        one owner rank each, zero/muon.py), with the hyper-parameters of the user group
+        holding them; everything else of user group i is group 1+i, on the AdamW path."""
+        mats = {n for n, g in plan.groups.items() if g == Group.MATRIX}
+        users = sorted({where[n] for n in mats if n in where})
+        if len(users) > 1:
+            raise ValueError(f"optimizer Muon: the weight matrices are split between param "
+                             f"groups {users}; zerotrain's Muon updates all matrices as one "
+                             "group: keep them in one group (biases and norms may have their "
+                             "own)")
+        self.source_of = {0: users[0] if users else 0,
+                          **{1 + i: i for i in range(len(self.param_source.param_groups))}}
+        return dataclasses.replace(plan, groups={
+            n: 0 if n in mats else 1 + i for n, i in where.items()})
+
     def group_options(self) -> dict[int, dict[str, Any]]:
-        if self.uses_muon:
-            return super().group_options()
-        return {i: hyper_of(g, self.synced)
-                for i, g in enumerate(self.param_source.param_groups)}
+        src = self.param_source.param_groups
+        out = {gid: hyper_of(src[i], self.synced) for gid, i in self.source_of.items()}
+        if self.uses_muon:  # None: Muon for the matrices; the rest on its AdamW fallback
+            for gid, opts in out.items():
+                opts["use_muon"] = None if gid == 0 else False
+        return out
 
     def apply_lr(self) -> float:
         """Copy each user group's hyper-parameters (lr and, for a client optimizer, betas,
         momentum, ... as a scheduler may change them) onto its optimizer groups."""
         src = self.param_source.param_groups
         for g in self.optimizer.param_groups:
-            g.update(hyper_of(src[0 if self.uses_muon else g["group_id"]], self.synced))
+            g.update(hyper_of(src[self.source_of[g["group_id"]]], self.synced))
         return float(src[0]["lr"])
 
     def _step(self) -> StepInfo | None:

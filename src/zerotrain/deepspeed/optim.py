@@ -29,6 +29,7 @@ HYPER: dict[str, tuple[str, ...]] = {
     "adagrad": ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value"),
     "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"),
     "lion": ("lr", "betas", "weight_decay"),
+    "muon": ("lr", "weight_decay"),  # per group; the rest is the config's, for all groups
 }
 
 #: torch.optim class -> (zerotrain optimizer, group flags that must keep this value)
