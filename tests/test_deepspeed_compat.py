@@ -491,3 +491,48 @@ def test_deepspeed_checkpoint_folder_resumes_and_unknown_types_are_refused(tmp_p
     with pytest.raises(ValueError, match=r"weights_only=True.*_NotAllowed is not on the "
                                          r"allow-list"):
         eng.load_checkpoint(tmp_path / "bad")
+
+
+def test_convert_a_deepspeed_checkpoint_on_the_command_line(tmp_path, capsys):
+    """`zerotrain convert --from-deepspeed`: no model code needed; the result resumes at
+    another stage as torch's AdamW continues."""
+    from zerotrain.cli import main
+
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def ref_step() -> float:
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    for _ in range(3):
+        ref_step()
+    ds = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 8,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    _ds_stage0_folder(tmp_path / "ds", ref, opt, 3, {"ds_config": ds, "epoch": 2})
+    assert main(["convert", "--from-deepspeed", str(tmp_path / "ds"),
+                 "--out", str(tmp_path / "zt")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    torch.manual_seed(5)
+    net = Net()
+    eng, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                        config={**ds, "train_batch_size": 4,
+                                                "zero_optimization": {"stage": 1}})
+    _, client_state = eng.load_checkpoint(tmp_path / "zt")
+    assert client_state == {"epoch": 2} and eng.global_steps == 3
+    got = []
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(eng(x), y)
+        eng.backward(loss)
+        eng.step()
+        got.append(loss.item())
+    assert close(got, [ref_step() for _ in range(3)], tol=1e-6)
+    assert main(["convert", "--from-deepspeed", str(tmp_path / "nothing"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "holds no DeepSpeed checkpoint" in capsys.readouterr().err

@@ -40,6 +40,8 @@ COMMANDS: dict[str, Command] = {
         "tokenizer": ("tokenizer.main_tokenizer", "train a byte-level BPE tokenizer"),
         "sample": ("sample.main_sample", "generate text from a checkpoint"),
         "export": ("export.main_export", "write a checkpoint's weights as one safetensors file"),
+        "convert": ("convert.main_convert", "turn a DeepSpeed checkpoint into a zerotrain "
+                    "checkpoint"),
     }),
     **_table("See how each mechanism works:", {
         "float": ("floats.main_float", "how a number is stored in a float format, bit by bit"),
