@@ -15,8 +15,10 @@ zero.Init, rank 0 loads the weights inside GatheredParameters(modifier_rank=0); 
 only: below it DeepSpeed's partitioned weights reach the forward and it fails),
 `resume` (as `config`; DeepSpeed saves its checkpoint after 6 steps and goes on,
 zerotrain.deepspeed loads DeepSpeed's folder into a fresh engine and continues: the
-continuations are compared), `accum` (as `config`, with gradient_accumulation_steps 2:
-the lr is read at every micro-step).
+continuations are compared), `convert` (the same through `zerotrain convert
+--from-deepspeed`, then zerotrain's own checkpoint; ZeRO-1-3: a ZeRO-0 folder with two
+groups does not say which parameter is in which), `accum` (as `config`, with
+gradient_accumulation_steps 2: the lr is read at every micro-step).
 Writes bench/results/ds_compat.json and prints a Markdown table; exits 1 when a row
 parts by more than --tol (relative).
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CASES = ("config", "cosine", "client", "sgd", "init", "resume", "accum")
+CASES = ("config", "cosine", "client", "sgd", "init", "resume", "convert", "accum")
 SAVE_AT = 6  # `resume`: DeepSpeed saves here and goes on; zerotrain resumes from its files
 
 
@@ -44,10 +46,10 @@ def ds_config(stage: int, case: str) -> dict[str, Any]:
         "steps_per_print": 10**6}
     if case == "accum":
         cfg["gradient_accumulation_steps"] = 2
-    if case in ("config", "cosine", "init", "resume", "accum"):
+    if case in ("config", "cosine", "init", "resume", "convert", "accum"):
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.999],
                                                         "eps": 1e-8, "weight_decay": 0.01}}
-    if case in ("config", "init", "resume", "accum"):
+    if case in ("config", "init", "resume", "convert", "accum"):
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": 1e-4, "warmup_max_lr": 5e-3, "warmup_num_steps": 4}}
     if case == "cosine":
@@ -62,13 +64,23 @@ def run(impl: str, stage: int, case: str, steps: int, tmp: Path, timeout: int) -
     out = tmp / f"{impl}_{stage}_{case}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(HERE / "ds_script.py"), "--deepspeed", "--deepspeed_config", str(cfg),
-           "--case", "config" if case in ("resume", "accum") else case, "--steps", str(steps),
+           "--case", "config" if case in ("resume", "convert", "accum") else case,
+           "--steps", str(steps),
            "--out", str(out)]
-    if case == "resume":
-        ck = str(tmp / f"ck_{stage}")
-        cmd += ["--save", ck, "--save-at", str(SAVE_AT)] if impl == "deepspeed" else \
-            ["--load", ck]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_IMPL=impl)
+    if case in ("resume", "convert"):
+        ck = str(tmp / f"ck_{case}_{stage}")
+        if impl == "deepspeed":
+            cmd += ["--save", ck, "--save-at", str(SAVE_AT)]
+        elif case == "resume":
+            cmd += ["--load", ck]
+        else:
+            conv = subprocess.run([sys.executable, "-m", "zerotrain", "convert",
+                                   "--from-deepspeed", ck, "--out", ck + "_zt"], env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+            if conv.returncode:
+                return f"convert: {conv.stderr.strip().splitlines()[-1]}"
+            cmd += ["--load", ck + "_zt"]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -78,6 +90,40 @@ def run(impl: str, stage: int, case: str, steps: int, tmp: Path, timeout: int) -
         tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:]
         return f"failed: {tail[0] if tail else proc.returncode}"
     return json.loads(out.read_text())
+
+
+WHAT = {
+    "config": "AdamW + WarmupLR from the config; two param groups (no decay on biases, "
+              "norms); `training_data`",
+    "cosine": "the same with WarmupCosineLR",
+    "accum": "`config` with `gradient_accumulation_steps: 2`",
+    "client": "client `torch.optim.AdamW` over the two groups + client `LambdaLR`",
+    "sgd": "client `torch.optim.SGD` (Nesterov momentum), one group with its own lr",
+    "init": "`zero.Init`; rank 0 loads the weights in `GatheredParameters(modifier_rank=0)` "
+            "before `initialize` (DeepSpeed's works at ZeRO-3 only)",
+    "resume": "DeepSpeed saves at step 6 and goes on; zerotrain loads DeepSpeed's folder "
+              "into a fresh engine and goes on (steps 7-12 compared)",
+    "convert": "the same through `zerotrain convert --from-deepspeed` and zerotrain's own "
+               "checkpoint",
+}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per case, one column per ZeRO stage (docs/from-deepspeed.md)."""
+    by = {(r["case"], r["stage"]): r for r in rows}
+
+    def num(x: float) -> str:
+        return "0" if x == 0 else f"{x:.1e}"
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "—"
+        return r["error"] if "error" in r else f"{num(r['loss_rel'])} / {num(r['lr_rel'])}"
+    lines = ["| case | script | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |", "|---|---|---|---|---|---|"]
+    for case in [c for c in WHAT if any(k[0] == c for k in by)]:
+        lines.append(f"| {case} | {WHAT[case]} | "
+                     + " | ".join(cell(by.get((case, s))) for s in range(4)) + " |")
+    return "\n".join(lines)
 
 
 def rel(a: float, b: float) -> float:
@@ -111,12 +157,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         for case in a.cases.split(","):
             for stage in map(int, a.stages.split(",")):
-                if case == "init" and stage < 3:
-                    continue  # DeepSpeed's zero.Init works at ZeRO-3 only
+                if (case, stage) in (("init", 0), ("init", 1), ("init", 2), ("convert", 0)):
+                    continue  # DeepSpeed's zero.Init works at ZeRO-3 only; see `convert`
                 ds = run("deepspeed", stage, case, a.steps, Path(d), a.timeout)
                 zt = run("zerotrain", stage, case, a.steps, Path(d), a.timeout)
                 row: dict[str, Any] = {"stage": stage, "case": case}
-                if not isinstance(ds, str) and not isinstance(zt, str) and case == "resume":
+                if (not isinstance(ds, str) and not isinstance(zt, str)
+                        and case in ("resume", "convert")):
                     # DeepSpeed's own continuation is the reference
                     ds = {**ds, "losses": ds["losses"][SAVE_AT:], "lrs": ds["lrs"][SAVE_AT:]}
                 if (not isinstance(ds, str) and not isinstance(zt, str)
@@ -138,17 +185,10 @@ def main() -> int:
                 write()
                 print(json.dumps({k: v for k, v in row.items()
                                   if k not in ("deepspeed", "zerotrain")}), flush=True)
-    print(f"\nDeepSpeed {deepspeed.__version__} vs zerotrain.deepspeed, 2 ranks, CPU, fp32, "
-          f"{a.steps} steps (max relative difference over all steps)\n")
-    print("| case | ZeRO stage | losses | applied lrs | last loss DeepSpeed / zerotrain |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['case']} | {r['stage']} | {r['error']} | | |")
-        else:
-            f = r["final_loss"]
-            print(f"| {r['case']} | {r['stage']} | {r['loss_rel']:.1e} | {r['lr_rel']:.1e} | "
-                  f"{f[0]:.6f} / {f[1]:.6f} |")
+    print(f"\n{table(rows)}\n\nEach cell: largest relative difference in the loss / in "
+          "the lr each update applied (read from `optimizer.param_groups` before "
+          f"`engine.step()`), over the {a.steps} steps; the bar is {a.tol:g}. DeepSpeed "
+          f"{deepspeed.__version__}, torch {torch.__version__}, 2 ranks, gloo on CPU, fp32.")
     return 0 if all(r.get("ok") for r in rows) else 1
 
 
