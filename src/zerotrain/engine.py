@@ -123,7 +123,7 @@ class Engine(DeepSpeedAPI):
         # amax-history buffers are made on the device
         self.fp8 = convert_to_fp8(model, self.plan, config.precision.fp8) \
             if config.precision.fp8.enabled else None
-        groups = self.strategy.param_groups(group_hyperparameters(config))
+        groups = self.strategy.param_groups(self.group_options())
         self.optimizer = build_optimizer(config.optimizer, groups,
                                          agree=self._agree if self.world_size > 1 else None)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
@@ -172,6 +172,18 @@ class Engine(DeepSpeedAPI):
     def is_boundary(self) -> bool:
         return (self.micro_step + 1) % self.accum == 0
 
+    def group_options(self) -> dict[int, dict[str, Any]]:
+        """Hyper-parameters of each plan group id (the DeepSpeed layer gives its own)."""
+        return group_hyperparameters(self.config)
+
+    def apply_lr(self) -> float:
+        """Set the lr of this step's update on every optimizer group and return it: the
+        schedule at the step count (zerotrain.deepspeed applies DeepSpeed's sequence)."""
+        lr = self.lr_at(self.global_step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
     def lr_at(self, step: int) -> float:
         if self.lr_override is not None:
             return self.lr_override(step)
@@ -210,14 +222,12 @@ class Engine(DeepSpeedAPI):
         finite = math.isfinite(norm_sq)
         grad_norm = math.sqrt(norm_sq) / scale if finite else float("inf")
         self.scaler.update(overflow=not finite)
-        lr = self.lr_at(self.global_step)
+        lr = self.apply_lr()
         spike = self._spike(grad_norm) if finite else None
         if finite and spike is None:
             clip = self.config.optimizer.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0  # as clip_grad_norm_
             s.scale_grads(coef / scale)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
             s.optimizer_step(self.optimizer)
             s.after_step()
         s.zero_grad()

@@ -1,4 +1,6 @@
-"""The common subset of DeepSpeed's engine API, so a DeepSpeed training script runs as is.
+"""The common subset of DeepSpeed's engine API on zerotrain's own Engine. A script written
+against DeepSpeed itself (its `initialize`, optimizer groups, scheduler timing and
+checkpoint flags) runs unchanged through `zerotrain.deepspeed` instead.
 
     engine.save_checkpoint(dir, tag=None, client_state={...})
     path, client_state = engine.load_checkpoint(dir, tag=None)

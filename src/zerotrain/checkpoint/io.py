@@ -157,7 +157,8 @@ def _write_rank(tmp: Path, rank: int, tensors: dict[str, torch.Tensor],
 
 def save_sharded(root: str | Path, step: int, rank: int, world: int,
                  tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any],
-                 meta: dict[str, Any], keep: int, name: str | None = None) -> Path:
+                 meta: dict[str, Any], keep: int, name: str | None = None,
+                 latest: bool = True) -> Path:
     """Collective: every rank calls it with its own shards; rank 0 also writes meta."""
     root = Path(root)
     final = root / (name or step_dir_name(step))
@@ -171,13 +172,13 @@ def save_sharded(root: str | Path, step: int, rank: int, world: int,
     _write_rank(tmp, rank, tensors, rank_meta)
     barrier()
     if rank == 0:
-        _finish(root, tmp, final, world, dict(meta, step=step), keep)
+        _finish(root, tmp, final, world, dict(meta, step=step), keep, latest)
     patient_barrier()  # rank 0's solo finishing may outlast comm.timeout_s (NCCL: abort)
     return final
 
 
 def _finish(root: Path, tmp: Path, final: Path, world: int, meta: dict[str, Any],
-            keep: int) -> None:
+            keep: int, latest: bool = True) -> None:
     import time
 
     sums = {}
@@ -199,7 +200,8 @@ def _finish(root: Path, tmp: Path, final: Path, world: int, meta: dict[str, Any]
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    _atomic_write_text(root / "latest", final.name)
+    if latest:
+        _atomic_write_text(root / "latest", final.name)
     prune(root, keep, run_id=meta.get("run_id"))
 
 

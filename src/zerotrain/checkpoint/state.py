@@ -64,8 +64,9 @@ class Loaded:
 
 def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world: int,
          keep: int, run_id: str | None = None, client_state: Any = None,
-         name: str | None = None) -> Path:
-    """Collective: write `state` (an engine state dict) as one sharded checkpoint."""
+         name: str | None = None, latest: bool = True) -> Path:
+    """Collective: write `state` (an engine state dict) as one sharded checkpoint;
+    `latest=False` leaves the root's `latest` file as it was."""
     tensors, scalars, cut = _written_part(state)
     tensors.update({f"rng.{k}": v for k, v in state["rng"].items()})
     if rank == 0:
@@ -82,7 +83,7 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
             "extra": meta_in.get("extra", {}),
             "scaler": state["scaler"], **state["counters"], "run_id": run_id,
             "client_state": client_state}
-    return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name)
+    return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name, latest)
 
 
 def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any], dict]:
@@ -147,7 +148,7 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
     if same:
         sd = _same_layout(tensors, rmeta, template)
     else:  # the RNG streams carry over where rank r of the checkpoint is rank r here
-        sd = _resliced(ckpt, meta, template, rank if same_world else None)
+        sd = resliced(SavedShards(ckpt, meta), template, rank if same_world else None)
     if reset:
         sd["optimizer"] = {"state": {}}
     sd.update(scaler=meta["scaler"],
@@ -199,13 +200,14 @@ def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dic
             "buffers": buffers}
 
 
-def _resliced(ckpt: Path, meta: dict, template: dict, rng_rank: int | None
-              ) -> dict[str, Any]:
-    """Cut every rank's saved shards along the template's layout, reading only this
-    rank's ranges. The RNG comes from rank `rng_rank`'s file when given (the same world
-    size); otherwise it is not carried over: rank r of another world size is another
-    stream."""
-    saved = SavedShards(ckpt, meta)
+def resliced(saved: SavedShards, template: dict, rng_rank: int | None = None
+             ) -> dict[str, Any]:
+    """Cut saved full-parameter state along the template's layout, reading only this
+    rank's ranges. `saved`: every rank's shards of a checkpoint (`SavedShards`), or any
+    object with its reader(kind), state_names(params), scalars and buffers() (a DeepSpeed
+    checkpoint: zerotrain/deepspeed/checkpoint.py). The RNG comes from rank `rng_rank`'s
+    file when given (the same world size); otherwise it is not carried over: rank r of
+    another world size is another stream."""
     layout, cut = template["meta"]["layout"], template["meta"]["rank_layout"]
     strategy: dict[str, Tensor] = {}
     for ui, unit in enumerate(layout["units"]):

@@ -30,6 +30,8 @@ def _table(group: str, rows: dict[str, tuple[str, str]]) -> dict[str, Command]:
 COMMANDS: dict[str, Command] = {
     **_table("Train and use a model:", {
         "train": ("train.main_train", "train a model (one process, or --nproc N ranks)"),
+        "launch": ("launch.main_launch", "run your own training script on N local ranks "
+                   "(torchrun underneath; DeepSpeed's launcher in shape)"),
         "lr-find": ("lr_find.main_lr_find", "learning-rate range test: loss against lr, "
                     "and a suggested peak lr"),
         "config": ("config.main_config", "show the config a run would use, fully resolved; "
@@ -39,6 +41,8 @@ COMMANDS: dict[str, Command] = {
         "sample": ("sample.main_sample", "generate text from a checkpoint"),
         "export": ("export.main_export",
                    "write a checkpoint's weights: one safetensors file or a HF folder"),
+        "convert": ("convert.main_convert", "turn a DeepSpeed checkpoint into a zerotrain "
+                    "checkpoint"),
     }),
     **_table("See how each mechanism works:", {
         "float": ("floats.main_float", "how a number is stored in a float format, bit by bit"),

@@ -276,9 +276,10 @@ def _quiet_torchrun() -> None:
             logging.getLogger(name).setLevel(level)
 
 
-def launch_local(nproc: int, argv: list[str], module: str = "zerotrain",
+def launch_local(nproc: int, argv: list[str], module: str | None = "zerotrain",
                  max_restarts: int = 0) -> int:
-    """Run `python -m <module> <argv>` on `nproc` local ranks; non-zero if the job fails."""
+    """Run `python -m <module> <argv>` on `nproc` local ranks (module None: `python
+    <argv>`, argv[0] being a script); non-zero if the job fails."""
     from torch.distributed import run as torchrun
 
     cores = os.cpu_count() or 1
@@ -291,7 +292,7 @@ def launch_local(nproc: int, argv: list[str], module: str = "zerotrain",
     _quiet_torchrun()
     args = torchrun.get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-         "--module", module, *argv]
+         *(["--module", module] if module else []), *argv]
     )
     with tempfile.TemporaryDirectory(prefix="zerotrain-errors-") as errors:
         os.environ[ERROR_DIR] = errors

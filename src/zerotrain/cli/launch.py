@@ -1,0 +1,47 @@
+"""`zerotrain launch [--nproc N] script.py ARGS...`: DeepSpeed's `deepspeed` launcher in
+shape, for a script of your own (typically one using `zerotrain.deepspeed`).
+
+torchrun underneath, with the launcher guarantees of `zerotrain train --nproc`
+(comm/launch.py): the job's outcome in one line naming the failed rank, ranks that die
+with the launcher (ranks that call `zerotrain.deepspeed.init_distributed` or
+`initialize` arrange it), and `--max-restarts K`. As torchrun does, the ranks find
+RANK, LOCAL_RANK and WORLD_SIZE in their environment; no `--local_rank` argument is
+added to the script's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from zerotrain.cli.args import Parser, UsageError, command, parse_count
+
+
+def _parser() -> Parser:
+    p = Parser("launch", "Run a training script on N local ranks (torchrun underneath), as "
+               "`deepspeed --num_gpus N script.py ARGS` does.",
+               usage="zerotrain launch [--nproc N] [--max-restarts K] script.py [ARGS ...]")
+    p.add_argument("--nproc", "--num_gpus", metavar="N", default=None,
+                   help="ranks to start; default: one per visible GPU, else 1")
+    p.add_argument("--max-restarts", metavar="K", default="0",
+                   help="restart all ranks up to K times after a failure")
+    p.add_argument("script", metavar="script.py", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return p
+
+
+@command("launch")
+def main_launch(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    if not Path(a.script).is_file():
+        raise UsageError(f"script '{a.script}' does not exist")
+    if a.nproc is None:
+        import torch
+
+        nproc = max(1, torch.cuda.device_count())
+    else:
+        nproc = parse_count(a.nproc, "--nproc")
+    restarts = parse_count(a.max_restarts, "--max-restarts", minimum=0)
+    from zerotrain.comm.launch import launch_local
+
+    return launch_local(nproc, [a.script, *a.args], module=None, max_restarts=restarts)

@@ -1,0 +1,289 @@
+"""DeepSpeed's own checkpoints, read into a zerotrain engine (a run migrating mid-way).
+
+A DeepSpeed 0.19 checkpoint folder holds `latest` (the tag) and `<tag>/`, with
+`mp_rank_00_model_states.pt` (module weights, lr scheduler, step counters, client state)
+and, at ZeRO stages 1-3, one `zero_pp_rank_<r>_mp_rank_00_optim_states.pt` per rank
+(fp32 master partitions and optimizer moments, flat per group). They are pickles: every
+file is read with `torch.load(weights_only=True)` and an explicit allow-list of the few
+non-tensor types DeepSpeed writes; anything else is refused in one line.
+
+What is read: the fp32 master weights, every elementwise optimizer state (Adam's
+exp_avg / exp_avg_sq, ...) and its step, the scheduler position, the groups' lr and the
+step counters. They are put back together whole per parameter (DeepSpeed's files are
+read in full, on every rank), then cut for this engine's stage and world size by the
+same code that reshards zerotrain checkpoints (`checkpoint.state.resliced`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zerotrain.checkpoint.io import CheckpointError
+
+MODEL_FILES = ("mp_rank_00_model_states.pt",  # stages 0-2
+               "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stage 3 (rank 0's)
+#: model-states keys DeepSpeed writes itself; the rest is the script's client_state
+_DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+            "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler",
+            "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
+            "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+            "checkpoint_parallel_dimensions", "ds_config_hash"}
+
+
+class _Stand_in(enum.IntEnum):
+    """Stands for DeepSpeed's `ZeroStageEnum` (an IntEnum): read as its int."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class _Record:
+    """Stands for DeepSpeed's small bookkeeping objects (loss scalers, fragment addresses):
+    their attributes, nothing more; zerotrain reads none of them."""
+
+
+#: DeepSpeed's non-tensor pickled types, mapped to stand-ins (no DeepSpeed import needed)
+ALLOWED: list[Any] = [
+    (_Stand_in, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_Record, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (_Record, "deepspeed.utils.tensor_fragment.fragment_address"),
+    OrderedDict, torch.Size,
+]
+
+
+def find(load_dir: str | Path, tag: str | None) -> Path | None:
+    """The folder of a DeepSpeed checkpoint (through `latest` or `tag`), else None."""
+    root = Path(load_dir)
+    if tag is None and (root / "latest").is_file():
+        tag = (root / "latest").read_text().strip()
+    for folder in (root, root / str(tag)) if tag is not None else (root,):
+        if any((folder / f).is_file() for f in MODEL_FILES):
+            return folder
+    return None
+
+
+def read(path: Path) -> Any:
+    """torch.load with weights_only=True and DeepSpeed's allow-list; one line if refused."""
+    try:
+        with torch.serialization.safe_globals(ALLOWED):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln.split("error: ", 1)[-1].split(" was not")[0] for ln in lines
+                    if "Unsupported global" in ln), lines[0] if lines else type(e).__name__)
+        first = f"{why} is not on the allow-list" if "Unsupported global" in why else why
+        raise CheckpointError(f"'{path}' cannot be read safely (weights_only=True with "
+                              f"DeepSpeed's allow-list): {first}") from None
+
+
+class DeepSpeedShards:
+    """A DeepSpeed checkpoint as whole per-parameter tensors, behind the interface
+    `checkpoint.state.resliced` reads (`reader`, `state_names`, `scalars`, `buffers`)."""
+
+    def __init__(self, folder: Path, names: list[list[str]]):
+        """`names`: this engine's parameter names per user group, in the order the
+        script gave them (DeepSpeed's optimizer order)."""
+        self.folder = folder
+        path = next(folder / f for f in MODEL_FILES if (folder / f).is_file())
+        self.model = read(path)
+        if not isinstance(self.model, dict) or "module" not in self.model:
+            raise CheckpointError(f"'{path}' is not a DeepSpeed model-states file")
+        self.full: dict[str, dict[str, Tensor]] = {}
+        self.scalars: dict[tuple[str, str], Any] = {}
+        self.groups: list[dict[str, Any]] = []
+        files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"),
+                       key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
+        if not files:
+            self._stage0(names)
+        else:
+            states = [read(f)["optimizer_state_dict"] for f in files]
+            stage = int(states[0].get("zero_stage", 0))
+            if stage == 3:
+                self._stage3(states, names)
+            else:
+                self._stage12(states, names)
+
+    # ---------------------------------------------------------------- layouts
+    def _check_groups(self, n: int, names: list[list[str]]) -> None:
+        if n != len(names):
+            raise CheckpointError(f"the DeepSpeed checkpoint has {n} optimizer group(s), this "
+                                  f"engine {len(names)}: pass model_parameters as the run that "
+                                  "saved it did")
+
+    def _put(self, kind: str, name: str, value: Tensor) -> None:
+        self.full.setdefault(kind, {})[name] = value.detach().float().reshape(-1)
+
+    def _stage0(self, names: list[list[str]]) -> None:
+        """No ZeRO: the module holds the weights, a torch optimizer state_dict the rest."""
+        module = self.model["module"]
+        opt = self.model.get("optimizer") or {}
+        self._check_groups(len(opt.get("param_groups", names)), names)
+        order = [n for g in names for n in g]
+        for n in order:
+            self._put("master", n, module[n])
+        # DeepSpeed's FusedAdam on the CPU saves step 0 beside moments that have seen
+        # every update: the updates applied are the engine's steps less the skipped ones
+        applied = self.global_steps - int(self.model.get("skipped_steps", 0))
+        for idx, st in (opt.get("state") or {}).items():
+            name = order[int(idx)]
+            for k, v in st.items():
+                if k == "step":
+                    self.scalars[("step", name)] = float(v) or float(applied)
+                elif isinstance(v, Tensor):
+                    self._put(k, name, v)
+        self.groups = opt.get("param_groups", [])
+
+    def _stage12(self, states: list[dict], names: list[list[str]]) -> None:
+        """ZeRO-1/2: each rank holds one flat fp32 partition per group; its
+        `param_slice_mappings` say which piece of which parameter lies where in it, and a
+        parameter's pieces, rank after rank, make it whole."""
+        self._check_groups(len(states[0]["single_partition_of_fp32_groups"]), names)
+        base = [s["base_optimizer_state"] for s in states]
+        for gi in range(len(names)):
+            pieces: dict[str, dict[str, list[Tensor]]] = {}
+            for s, b in zip(states, base, strict=True):
+                st = b["state"].get(gi, {})
+                flats = {"master": s["single_partition_of_fp32_groups"][gi],
+                         **{k: v for k, v in st.items() if isinstance(v, Tensor) and k != "step"}}
+                for name, where in s["param_slice_mappings"][gi].items():
+                    a, n = int(where.start), int(where.numel)
+                    for kind, flat in flats.items():
+                        pieces.setdefault(name, {}).setdefault(kind, []).append(flat[a:a + n])
+            step = base[0]["state"].get(gi, {}).get("step")
+            for name, kinds in pieces.items():
+                for kind, parts in kinds.items():
+                    self._put(kind, name, torch.cat(parts))
+                if step is not None:
+                    self.scalars[("step", name)] = float(step)
+        self.groups = base[0].get("param_groups", [])
+
+    def _stage3(self, states: list[dict], names: list[list[str]]) -> None:
+        """ZeRO-3: each parameter padded to a multiple of the world size and cut in equal
+        pieces; rank r's flat group holds its piece of every parameter, in order."""
+        shapes = self.model.get("param_shapes") or []
+        self._check_groups(len(shapes), names)
+        world = len(states)
+        base = [s["optimizer_state_dict"] for s in states]
+        for gi, group_shapes in enumerate(shapes):
+            flats = [s["fp32_flat_groups"][gi] for s in states]
+            kinds = {k: [b["state"][gi][k] for b in base] for k in base[0]["state"][gi]
+                     if isinstance(base[0]["state"][gi][k], Tensor) and k != "step"}
+            step = base[0]["state"][gi].get("step")
+            off = 0
+            for name, shape in group_shapes.items():
+                n = math.prod(shape)
+                part = math.ceil(n / world)
+
+                def whole(pieces: list[Tensor], off: int = off, part: int = part,
+                          n: int = n) -> Tensor:
+                    return torch.cat([p.reshape(-1)[off:off + part] for p in pieces])[:n]
+                self._put("master", name, whole(flats))
+                for k, ts in kinds.items():
+                    self._put(k, name, whole(ts))
+                if step is not None:
+                    self.scalars[("step", name)] = float(step)
+                off += part
+        self.groups = base[0].get("param_groups", [])
+
+    # ---------------------------------------------------------------- resliced's interface
+    def reader(self, kind: str) -> Callable[[str, int, int], Tensor]:
+        table = self.full.get(kind, {})
+
+        def read_range(name: str, a: int, b: int) -> Tensor:
+            if name not in table:
+                raise CheckpointError(f"the DeepSpeed checkpoint in '{self.folder}' has no "
+                                      f"{kind} for parameter '{name}'")
+            return table[name][a:b]
+        return read_range
+
+    def state_names(self, params: list[str]) -> list[str]:
+        names = {k for k, t in self.full.items() if k != "master" and any(p in t for p in params)}
+        return sorted(names | {k for (k, p) in self.scalars if p in params})
+
+    def buffers(self) -> dict[str, Tensor]:
+        module = self.model["module"]
+        return {n: module[n] for n in self.model.get("buffer_names") or [] if n in module}
+
+    # ---------------------------------------------------------------- the rest
+    @property
+    def global_steps(self) -> int:
+        return int(self.model.get("global_steps", 0))
+
+    def client_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model.items() if k not in _DS_KEYS}
+
+
+# ----------------------------------------------------------------------------- convert
+class _Holder(torch.nn.Module):
+    """A module tree with parameters at the given dotted names and nothing else."""
+
+
+def stand_in_model(shapes: dict[str, torch.Size]) -> torch.nn.Module:
+    """A model with exactly these parameter names and shapes (zeros until loaded), for a
+    checkpoint converted without the model's code."""
+    root = _Holder()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, _Holder())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape)))
+    return root
+
+
+def convert(folder_or_root: str | Path, out: str | Path, tag: str | None = None) -> Path:
+    """Write a DeepSpeed checkpoint as a zerotrain checkpoint (one rank, ZeRO-0 layout;
+    it loads at any world size and stage): weights, optimizer state, step, scheduler."""
+    folder = find(folder_or_root, tag)
+    if folder is None:
+        raise CheckpointError(f"'{folder_or_root}' holds no DeepSpeed checkpoint (no 'latest' "
+                              "naming a folder with mp_rank_00_model_states.pt)")
+    model = read(next(folder / f for f in MODEL_FILES if (folder / f).is_file()))
+    ds = model.get("ds_config") or {}
+    if "optimizer" not in ds:
+        raise CheckpointError("the run's DeepSpeed config names no optimizer (it used a client "
+                              "optimizer): load the folder with engine.load_checkpoint in the "
+                              "script instead, which knows the optimizer")
+    shapes = model.get("param_shapes")
+    if shapes:
+        groups = [dict(g) for g in shapes]
+    else:  # ZeRO-0 saves no shapes: the module's parameters, one group
+        opt = model.get("optimizer") or {}
+        if len(opt.get("param_groups", [1])) != 1:
+            raise CheckpointError("a ZeRO-0 checkpoint with several param groups does not "
+                                  "say which parameter is in which: load it with "
+                                  "engine.load_checkpoint in the script instead")
+        buffers = set(model.get("buffer_names") or [])
+        groups = [{n: t.shape for n, t in model["module"].items() if n not in buffers}]
+    net = stand_in_model({n: torch.Size(s) for g in groups for n, s in g.items()})
+    named = dict(net.named_parameters())
+    # each group's own settings (weight decay, lr, betas, ...) as the run's optimizer kept them
+    saved = DeepSpeedShards(folder, [list(g) for g in groups]).groups
+    settings = [{k: v for k, v in h.items() if k not in ("params", "step")} for h in saved]
+    from zerotrain.deepspeed import initialize
+
+    # one rank, no ZeRO: the batch of the original world size does not apply here
+    ds = {**{k: v for k, v in ds.items() if k != "train_batch_size"},
+          "zero_optimization": {"stage": 0},
+          "train_micro_batch_size_per_gpu": ds.get("train_micro_batch_size_per_gpu") or 1,
+          "gradient_accumulation_steps": ds.get("gradient_accumulation_steps") or 1}
+    engine, _, _, _ = initialize(model=net, config=ds, model_parameters=[
+        {**(settings[i] if i < len(settings) else {}), "params": [named[n] for n in g]}
+        for i, g in enumerate(groups)])
+    _, client = engine.load_checkpoint(folder)
+    engine.save_checkpoint(out, tag=folder.name, client_state=client)
+    engine.close()
+    return Path(out) / folder.name
