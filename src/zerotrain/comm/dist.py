@@ -7,7 +7,6 @@ module only reads the environment torchrun sets and opens the default group.
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 from dataclasses import dataclass
 
@@ -177,7 +176,6 @@ def barrier() -> None:
 #: The rendezvous store of the group init_distributed opened (None when the caller
 #: opened it): `patient_barrier` waits on it.
 _STORE: dist.Store | None = None
-_PATIENT = itertools.count()
 PATIENT_TIMEOUT_S = 24 * 3600
 
 
@@ -194,7 +192,11 @@ def patient_barrier(timeout_s: float = PATIENT_TIMEOUT_S) -> None:
     if store is None:
         dist.barrier()
         return
-    key = f"zerotrain/patient_barrier/{next(_PATIENT)}"
+    # The barrier's number is counted in the store, per rank: a fresh group (a new store
+    # or prefix, a restart's attempt) starts at 0 on every rank, whatever each process
+    # did before (a process-wide counter drifts when ranks regroup unevenly).
+    n = store.add(f"zerotrain/patient_barrier/count/{dist.get_rank()}", 1)
+    key = f"zerotrain/patient_barrier/{n}"
     if store.add(key, 1) == dist.get_world_size():
         store.set(key + "/all", "1")
     store.wait([key + "/all"], datetime.timedelta(seconds=timeout_s))
