@@ -253,7 +253,7 @@ def _groups_after_close() -> dict:
     from zerotrain.comm.collectives import Comm
 
     comm = Comm("ring", grad_group=True)
-    made = [comm._ring_group, comm._grad_group, comm._grad_ring_group]
+    made = [comm._ring_group, comm.grads.group, comm.grads._ring_group]
     before = [g in c10d._world.pg_map for g in made]
     x = torch.ones(8)
     comm.all_reduce(x)  # through the gradients' ring group
