@@ -84,7 +84,10 @@ def _nat_all_gather(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -
 
 def _nat_all_to_all(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None,
                     out_splits: list[int], in_splits: list[int]) -> object:
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+    """Pieces are in elements of the flattened tensors (torch splits dimension 0), so
+    `out` must be contiguous; `inp` may be anything."""
+    return dist.all_to_all_single(out.view(-1), inp.reshape(-1), out_splits, in_splits,
+                                  group=group, async_op=True)
 
 
 def _nat_scatter(out: Tensor, inp: Tensor | None, group: dist.ProcessGroup | None,
@@ -140,7 +143,10 @@ OPS: dict[str, Op] = {
         _nat_all_gather, ring_all_gather,
         lambda c, o, i: (_pass(c.world_size) * _bytes(o),) * 2, lambda o, i: o.numel(),
         auto_ring=True),
-    "all_to_all": Op(_nat_all_to_all, ring_all_to_all, _a2a_bytes, lambda o, i: i.numel()),
+    "all_to_all": Op(_nat_all_to_all,
+                     lambda o, i, g, out_splits, in_splits:
+                     ring_all_to_all(o, i, out_splits, in_splits, g),
+                     _a2a_bytes, lambda o, i: i.numel()),
     "scatter": Op(_nat_scatter, None, _scatter_bytes, lambda o, i: o.numel()),
     "all_reduce_scalars": Op(_nat_all_reduce, None, _ar_bytes, lambda o, i: o.numel(),
                              counted_as="all_reduce"),
