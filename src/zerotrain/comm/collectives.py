@@ -35,7 +35,6 @@ without an AVG op (gloo).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,113 +43,11 @@ from torch import Tensor
 from zerotrain.comm.dist import comm_device
 from zerotrain.comm.handle import CommThread, Handle
 from zerotrain.comm.lockstep import Lockstep, explain_timeout
-from zerotrain.comm.ring import (
-    ring_all_gather,
-    ring_all_reduce,
-    ring_all_to_all,
-    ring_reduce_scatter,
-)
+from zerotrain.comm.ops import OPS, Op, nbytes
 from zerotrain.comm.traffic import TrafficCounter
 
 ALGORITHMS = ("native", "ring", "auto")
 RING_MIN_BYTES = 2 << 20  # auto: below this the comm-thread hand-off costs more than it saves
-
-
-# ---------------------------------------------------------------------- the OPS table
-def _bytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _pass(n: int) -> float:
-    """One reduce-scatter or all-gather pass of a ring moves (N-1)/N of the buffer."""
-    return (n - 1) / n
-
-
-def _nat_all_reduce(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None,
-                    reduce: dist.ReduceOp = dist.ReduceOp.SUM) -> object:
-    return dist.all_reduce(out, op=reduce, group=group, async_op=True)
-
-
-def _nat_reduce_scatter(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -> object:
-    """torch's single-tensor reduce-scatter under its current name (renamed in 2.x)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group, async_op=True)
-
-
-def _nat_all_gather(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -> object:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
-
-
-def _nat_all_to_all(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None,
-                    out_splits: list[int], in_splits: list[int]) -> object:
-    """Pieces are in elements of the flattened tensors (torch splits dimension 0), so
-    `out` must be contiguous; `inp` may be anything."""
-    return dist.all_to_all_single(out.view(-1), inp.reshape(-1), out_splits, in_splits,
-                                  group=group, async_op=True)
-
-
-def _nat_scatter(out: Tensor, inp: Tensor | None, group: dist.ProcessGroup | None,
-                 inputs: list[Tensor] | None, src: int) -> object:
-    root = dist.get_global_rank(group, src) if group is not None else src
-    return dist.scatter(out, inputs, src=root, group=group, async_op=True)
-
-
-def _a2a_bytes(c: Comm, out: Tensor, inp: Tensor, out_splits: list[int],
-               in_splits: list[int]) -> tuple[float, float]:
-    """Exactly the pieces for (from) other ranks: the one kept is never sent."""
-    size = inp.element_size()
-    return ((sum(in_splits) - in_splits[c.rank]) * size,
-            (sum(out_splits) - out_splits[c.rank]) * size)
-
-
-def _scatter_bytes(c: Comm, out: Tensor, inp: Tensor | None, inputs: list[Tensor] | None,
-                   src: int) -> tuple[float, float]:
-    return ((_bytes(out) * (c.world_size - 1), 0) if c.rank == src else (0, _bytes(out)))
-
-
-@dataclass(frozen=True)
-class Op:
-    """One collective: how torch runs it, how zerotrain's ring runs it, what it moves.
-
-    native(out, inp, group, **kw) -> Work; ring(out, inp, group, **kw) -> (sent, recv)
-    observed, or None for native only; traffic(comm, out, inp, **kw) -> (sent, recv) the
-    native one moves (computed); numel(out, inp): the size every rank agrees on (the
-    lockstep fingerprint); auto_ring: `auto` picks the ring for large buffers on gloo.
-    """
-
-    native: Callable[..., object]
-    ring: Callable[..., tuple[int, int]] | None
-    traffic: Callable[..., tuple[float, float]]
-    numel: Callable[[Tensor, Tensor], int]
-    auto_ring: bool = False
-    counted_as: str | None = None  # the counter's name, when not the op's own
-
-
-def _ar_bytes(c: Comm, out: Tensor, inp: Tensor, **kw: object) -> tuple[float, float]:
-    moved = 2 * _pass(c.world_size) * _bytes(out)
-    return moved, moved
-
-
-OPS: dict[str, Op] = {
-    "all_reduce": Op(_nat_all_reduce, lambda o, i, g: ring_all_reduce(o, g), _ar_bytes,
-                     lambda o, i: o.numel()),
-    "reduce_scatter": Op(
-        _nat_reduce_scatter, ring_reduce_scatter,
-        lambda c, o, i: (_pass(c.world_size) * _bytes(i),) * 2, lambda o, i: i.numel(),
-        auto_ring=True),
-    "all_gather": Op(
-        _nat_all_gather, ring_all_gather,
-        lambda c, o, i: (_pass(c.world_size) * _bytes(o),) * 2, lambda o, i: o.numel(),
-        auto_ring=True),
-    "all_to_all": Op(_nat_all_to_all,
-                     lambda o, i, g, out_splits, in_splits:
-                     ring_all_to_all(o, i, out_splits, in_splits, g),
-                     _a2a_bytes, lambda o, i: i.numel()),
-    "scatter": Op(_nat_scatter, None, _scatter_bytes, lambda o, i: o.numel()),
-    "all_reduce_scalars": Op(_nat_all_reduce, None, _ar_bytes, lambda o, i: o.numel(),
-                             counted_as="all_reduce"),
-}
 
 
 # ---------------------------------------------------------------------- the Comm
@@ -282,7 +179,7 @@ class Comm:
                 self.counter.add(name, purpose, sent, recv, observed=True)
 
             return self._run_ring(job, op, async_op)
-        sent, recv = spec.traffic(self, out, inp, **kw)
+        sent, recv = spec.traffic(self.world_size, self.rank, out, inp, **kw)
         self.counter.add(name, purpose, sent, recv, observed=False)
         work = self._guarded(lambda: spec.native(out, inp, self.group, **kw), op)
         h = Handle(work, explain=self._explain(op))
@@ -293,8 +190,8 @@ class Comm:
     def _use_ring(self, out: Tensor, inp: Tensor | None, spec: Op) -> bool:
         if not self._ring_ok:
             return False
-        nbytes = max(_bytes(out), _bytes(inp) if inp is not None else 0)
-        return self.algorithm == "ring" or (spec.auto_ring and nbytes >= self.ring_min_bytes)
+        size = max(nbytes(out), nbytes(inp) if inp is not None else 0)
+        return self.algorithm == "ring" or (spec.auto_ring and size >= self.ring_min_bytes)
 
     def _run_ring(self, job: Callable[[], None], op: str, async_op: bool) -> Handle:
         if self._thread is None:  # NCCL: on this thread; the GPU queues it asynchronously
