@@ -210,17 +210,21 @@ def test_no_comm_thread_on_nccl():
 def _groups_used(eng) -> list[tuple[str, str]]:
     """Probe: record, for every native collective, which group it went to."""
     comm, seen = eng.comm, []
-    native = comm._native
 
-    def spy(fn, name, *args, group=None, **kw):
-        g = comm.group if group is None else group
-        seen.append((name, "grads" if g is comm._grad_group and comm.separate_grads
-                     else "main" if g is comm.group else "other"))
-        return native(fn, name, *args, group=group, **kw)
+    def spy_on(c, label: str) -> None:
+        real = c._collective
 
-    comm._native = spy
+        def spy(op, *args, **kw):
+            seen.append((op, label))
+            return real(op, *args, **kw)
+
+        c._collective = spy
+
+    spy_on(comm, "main")
+    if comm.grads is not comm:
+        spy_on(comm.grads, "grads")
     if comm._ring_group is not None:  # the ring's gradient passes get a ring group too
-        seen.append(("ring groups", "separate" if comm._grad_ring_group is not
+        seen.append(("ring groups", "separate" if comm.grads._ring_group is not
                      comm._ring_group else "same"))
     return seen
 

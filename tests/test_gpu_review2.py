@@ -208,13 +208,13 @@ def _first_unit_is_padding_here(eng) -> list[str]:
     s.step_by_unit = True
     if s.rank == 1:
         s.opt_segments = [sv for sv in s.opt_segments if sv[0].unit != 0]
-    native, step = comm._native, eng.optimizer.step
+    collective, step = comm._collective, eng.optimizer.step
 
-    def spy(fn, name, *args, **kw):
-        order.append(name)
-        return native(fn, name, *args, **kw)
+    def spy(op, *args, **kw):
+        order.append(op)
+        return collective(op, *args, **kw)
 
-    comm._native = spy
+    comm._collective = spy  # comm.grads is comm here (gloo, grad_group auto)
     eng.optimizer.step = lambda *a, **k: (order.append("step"), step(*a, **k))[1]
     return order
 
@@ -253,7 +253,7 @@ def _groups_after_close() -> dict:
     from zerotrain.comm.collectives import Comm
 
     comm = Comm("ring", grad_group=True)
-    made = [comm._ring_group, comm._grad_group, comm._grad_ring_group]
+    made = [comm._ring_group, comm.grads.group, comm.grads._ring_group]
     before = [g in c10d._world.pg_map for g in made]
     x = torch.ones(8)
     comm.all_reduce(x)  # through the gradients' ring group

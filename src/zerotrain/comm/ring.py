@@ -122,16 +122,23 @@ def _ring(group: dist.ProcessGroup | None) -> _Ring:
     r = dist.get_rank(group)
     if r < 0:
         raise RuntimeError("this process is not a member of the ring's process group")
+    return _Ring(n, r, _peer(group, n, r - 1), _peer(group, n, r + 1), group)
 
-    def peer(i: int) -> int:
-        i %= n
-        return dist.get_global_rank(group, i) if group is not None else i
 
-    return _Ring(n, r, peer(r - 1), peer(r + 1), group)
+def _peer(group: dist.ProcessGroup | None, n: int, i: int) -> int:
+    """The global rank (what isend/irecv address) of group rank i mod n."""
+    i %= n
+    return dist.get_global_rank(group, i) if group is not None else i
 
 
 def _exchange(ring: _Ring, send: Tensor, recv: Tensor) -> tuple[int, int]:
-    """Send to r+1 and receive from r-1 as one batch, then wait for both.
+    """Send to r+1 and receive from r-1 as one batch, then wait for both."""
+    return _sendrecv(send, ring.next, recv, ring.prev, ring.group)
+
+
+def _sendrecv(send: Tensor, dst: int, recv: Tensor, src: int,
+              group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """Send `send` to global rank `dst` and receive `recv` from `src` as one batch.
 
     Every rank is at once a sender and a receiver, so the two must progress together.
     `batch_isend_irecv` posts them as one group (one ncclGroupStart/End on NCCL): two
@@ -144,10 +151,10 @@ def _exchange(ring: _Ring, send: Tensor, recv: Tensor) -> tuple[int, int]:
     ops = []
     sent = recv_bytes = 0
     if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, ring.next, ring.group))
+        ops.append(dist.P2POp(dist.isend, send, dst, group))
         sent = send.numel() * send.element_size()
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, ring.prev, ring.group))
+        ops.append(dist.P2POp(dist.irecv, recv, src, group))
         recv_bytes = recv.numel() * recv.element_size()
     if ops:
         for w in dist.batch_isend_irecv(ops):
@@ -254,6 +261,36 @@ def ring_all_gather(output: Tensor, input: Tensor,
             out_c, in_c = step.send_chunk(ring.rank), step.recv_chunk(ring.rank)
             s, rv = _exchange(ring, out[out_c * m:(out_c + 1) * m], out[in_c * m:(in_c + 1) * m])
             sent, recv = sent + s, recv + rv
+    if not output.is_contiguous():  # out was a copy
+        output.copy_(out.view_as(output))
+    return sent, recv
+
+
+def ring_all_to_all(output: Tensor, input: Tensor, output_splits: list[int],
+                    input_splits: list[int],
+                    group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """Rank r sends `input`'s piece d to rank d and receives rank s's piece r into
+    `output`'s piece s (torch's `all_to_all_single` semantics, uneven splits allowed).
+
+    Not a ring but the pairwise exchange: in step s = 1..N-1 rank r sends its piece for
+    r+s and receives the piece from r-s, so every byte crosses the wire once, straight to
+    its owner. A true ring would forward each piece N/2 hops on average, sending (N-1)/2
+    times more for nothing. Both sides of each message know its size (what r sends to d
+    is what d expects from r), so empty pieces are skipped on both.
+    """
+    ring = _ring(group)
+    out = _flat(output)
+    outs = list(out.split(output_splits))
+    ins = list(_flat(input).split(input_splits))
+    if len(outs) != ring.n or len(ins) != ring.n:
+        raise ValueError(f"ring_all_to_all needs {ring.n} input and output splits")
+    r, n = ring.rank, ring.n
+    outs[r].copy_(ins[r])
+    sent = recv = 0
+    for s in range(1, n):
+        dst, src = (r + s) % n, (r - s) % n
+        a, b = _sendrecv(ins[dst], _peer(group, n, dst), outs[src], _peer(group, n, src), group)
+        sent, recv = sent + a, recv + b
     if not output.is_contiguous():  # out was a copy
         output.copy_(out.view_as(output))
     return sent, recv

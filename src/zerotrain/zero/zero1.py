@@ -21,11 +21,11 @@ class ZeRO1(DDP):
         buf = u.grad
         lo, hi = u.shard_range
         if buf.dtype == self.policy.reduce_dtype:  # in place: chunk r of the buffer
-            self.enqueue(self.comm.reduce_scatter(buf[lo:hi], buf, async_op=True))
+            self.enqueue(self.comm.grads.reduce_scatter(buf[lo:hi], buf, async_op=True))
             return
         wire = buf.to(self.policy.reduce_dtype)
         out = wire[lo:hi]
-        self.enqueue(self.comm.reduce_scatter(out, wire, async_op=True),
+        self.enqueue(self.comm.grads.reduce_scatter(out, wire, async_op=True),
                      lambda: buf[lo:hi].copy_(out))
 
     def publish(self, u: Unit) -> None:

@@ -1,0 +1,56 @@
+"""Collectives that autograd can see through.
+
+`all_to_all_dims` is sequence parallelism's exchange (Ulysses): a tensor sharded along
+one dimension (the sequence) becomes one sharded along another (the heads), and back.
+Rank r cuts its tensor into N equal pieces along `scatter_dim`, sends piece d to rank d,
+and concatenates the pieces it receives, in rank order, along `gather_dim`. The
+backward pass is the same exchange with the two dimensions swapped — the inverse
+permutation of the same bytes — so gradients cost exactly what the forward costs, and
+both go through `Comm.all_to_all` (byte-counted, ring or native).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zerotrain.comm.collectives import Comm
+
+
+def _exchange(comm: Comm, x: Tensor, scatter_dim: int, gather_dim: int,
+              purpose: str) -> Tensor:
+    n = comm.world_size
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all_to_all_dims: dimension {scatter_dim} of size "
+                         f"{x.shape[scatter_dim]} does not split into {n} equal pieces")
+    send = torch.stack(x.chunk(n, dim=scatter_dim))  # [n, *piece], contiguous
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, purpose=purpose).wait()
+    return torch.cat(recv.unbind(0), dim=gather_dim)  # recv[s]: rank s's piece for us
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_dims` as an autograd function: its backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm, scatter_dim: int, gather_dim: int,
+                purpose: str) -> Tensor:
+        ctx.comm, ctx.dims, ctx.purpose = comm, (scatter_dim, gather_dim), purpose
+        return _exchange(comm, x, scatter_dim, gather_dim, purpose)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        scatter_dim, gather_dim = ctx.dims
+        return _exchange(ctx.comm, grad, gather_dim, scatter_dim, ctx.purpose), \
+            None, None, None, None
+
+
+def all_to_all_dims(comm: Comm, x: Tensor, scatter_dim: int, gather_dim: int, *,
+                    purpose: str = "sequence") -> Tensor:
+    """Reshard `x` from `gather_dim` to `scatter_dim` across `comm`'s ranks
+    (differentiable). E.g. [B, T/N, H, D] → [B, T, H/N, D] with scatter_dim=2,
+    gather_dim=1; the call with the two swapped undoes it. Every rank calls it with the
+    same shapes; a world of one returns `x` itself."""
+    if comm.world_size == 1:
+        return x
+    return AllToAll.apply(x, comm, scatter_dim, gather_dim, purpose)
