@@ -16,7 +16,7 @@ import pytest
 
 from zerotrain.cli import main
 from zerotrain.config import build_config
-from zerotrain.lr_find import DIVERGE_FACTOR, RangeTest, beta_for, lr_find, ramp_lr
+from zerotrain.run.lr_find import DIVERGE_FACTOR, RangeTest, beta_for, lr_find, ramp_lr
 
 TESTS = Path(__file__).parent
 

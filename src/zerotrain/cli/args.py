@@ -108,7 +108,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zerotrain.models.sampling import NonFiniteOutput
     from zerotrain.models.weights import WeightError
     from zerotrain.numerics.scaler import LossScaleError
-    from zerotrain.train import Diverged
+    from zerotrain.run.setup import Diverged
 
     return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged,
             NonFiniteOutput, WeightError)
@@ -150,7 +150,7 @@ def command(name: str) -> Callable[[Main], Main]:
                     print(f"zerotrain {name}: interrupted", file=sys.stderr)
                 return 130
             except Exception as e:
-                from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted
+                from zerotrain.run.lifecycle import EXIT_INTERRUPTED, Interrupted
 
                 if isinstance(e, Interrupted):  # saved; rank 0 says so once
                     if int(os.environ.get("RANK", "0")) == 0:

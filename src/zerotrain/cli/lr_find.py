@@ -2,7 +2,7 @@
 
 Takes the same config, flags and overrides as `zerotrain train` (our own flags are
 pulled out the same way, everything else is a config override); the test itself is
-`zerotrain.lr_find`.
+`zerotrain.run.lr_find`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ DEFAULTS = {"--start-lr": 1e-5, "--end-lr": 1.0, "--steps": 100}
 
 
 def help_text() -> str:
-    from zerotrain.lr_find import DIVERGENCE, SMOOTHING, SUGGESTION
+    from zerotrain.run.lr_find import DIVERGENCE, SMOOTHING, SUGGESTION
 
     p = Parser("lr-find", "Learning-rate range test: train the configured model on its data "
                "for --steps optimizer steps while the lr grows exponentially from --start-lr "
@@ -79,19 +79,19 @@ def main_lr_find(argv: list[str]) -> int:
     end = _number("--end-lr", opts.get("--end-lr", DEFAULTS["--end-lr"]))
     steps = _steps(opts.get("--steps", DEFAULTS["--steps"]))
     nproc = _nproc(opts["--nproc"]) if "--nproc" in opts else 1
-    from zerotrain.lr_find import check_range, lr_find, range_test_config
+    from zerotrain.run.lr_find import check_range, lr_find, range_test_config
 
     check_range(start, end, steps)
     cfg = _load(opts, overrides, nproc)  # validate before launching
     from zerotrain.comm.dist import launched_by_torchrun
 
     if launched_by_torchrun():
-        from zerotrain.lifecycle import die_with_parent
+        from zerotrain.run.lifecycle import die_with_parent
 
         die_with_parent()
     elif nproc > 1:
         from zerotrain.comm.launch import launch_local
-        from zerotrain.train import launch_checked
+        from zerotrain.run.setup import launch_checked
 
         with launch_checked(range_test_config(cfg, steps), None, nproc):
             return launch_local(nproc, ["lr-find", *_drop_flag(argv, "--nproc")])

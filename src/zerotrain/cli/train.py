@@ -102,7 +102,7 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
 def _load(opts: dict, overrides: list[str], nproc: int):
     """The run's Config: from --config (zerotrain's) or --deepspeed (DeepSpeed's JSON)."""
     from zerotrain.config import load_config
-    from zerotrain.trackers import check_backends
+    from zerotrain.run.trackers import check_backends
 
     ds = opts.get("--deepspeed") or opts.get("--deepspeed_config")
     if ds is not None:
@@ -160,7 +160,7 @@ def main_train(argv: list[str]) -> int:
         import os
         import sys
 
-        from zerotrain.lifecycle import die_with_parent
+        from zerotrain.run.lifecycle import die_with_parent
 
         die_with_parent()
         ignored = [f for f in ("--nproc", "--max-restarts") if f in opts]
@@ -169,12 +169,12 @@ def main_train(argv: list[str]) -> int:
                   "give torchrun its own --nproc-per-node / --max-restarts", file=sys.stderr)
     elif nproc > 1 or restarts:
         from zerotrain.comm.launch import launch_local
-        from zerotrain.train import launch_checked
+        from zerotrain.run.setup import launch_checked
 
         with launch_checked(cfg, resume, nproc):  # one error now, not one per rank later
             rest = _drop_flag(_drop_flag(argv, "--nproc"), "--max-restarts")
             return launch_local(nproc, ["train", *rest], max_restarts=restarts)
-    from zerotrain.train import train
+    from zerotrain.run.loop import train
 
     train(cfg, resume=resume)
     return 0
