@@ -42,9 +42,9 @@ def _sections_text() -> str:
 
 
 def help_text() -> str:
-    p = Parser("train", "Train a language model (GPT or llama, sized by hand or by a named "
-               "preset, or a Hugging Face model). Every config field can be overridden on "
-               "the command line, e.g. --optimizer.lr 3e-4 --zero.stage 2.",
+    p = Parser("train", "Train a language model (the reference GPT or llama, sized by hand "
+               "or by a named preset, or a Hugging Face model). Every config field can be "
+               "overridden on the command line, e.g. --optimizer.lr 3e-4 --zero.stage 2.",
                usage="zerotrain train [--config FILE] [--nproc N] [--resume [CKPT|auto]]\n"
                      "                       [--deepspeed FILE] [--max-restarts K] "
                      "[--section.key VALUE ...]",
