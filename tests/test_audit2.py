@@ -352,7 +352,7 @@ def test_contradicting_or_repeated_flags_are_refused(tmp_path, corpus, capsys):
 
 
 def test_cpu_cost_warning_for_a_huge_block_size():
-    from zerotrain.train import cpu_cost_warning
+    from zerotrain.run.report import cpu_cost_warning
 
     small = build_config({"model": {"n_layer": 2, "n_head": 2, "n_embd": 32,
                                     "block_size": 64}, "data": {"micro_batch_size": 4}})
@@ -399,7 +399,7 @@ def test_shared_checkpoint_dir_error_names_checkpoint_dir(tmp_path, corpus, caps
 
 # ----------------------------------------------------------------- MISLEADING 10
 def test_lr_find_json_counts_its_points():
-    from zerotrain.lr_find import RangeTest, _result, summary_lines
+    from zerotrain.run.lr_find import RangeTest, _result, summary_lines
 
     t = RangeTest(beta=0.5)
     losses = [5.0, 4.0, 3.0, 2.5, 3.0, 8.0, 30.0]
@@ -429,8 +429,8 @@ def test_interrupted_is_said_once_per_job(monkeypatch, capsys):
 
 def test_launcher_flags_under_torchrun_are_said_to_be_ignored(monkeypatch, capsys):
     import zerotrain.comm.dist as dist
-    import zerotrain.lifecycle as lifecycle
-    import zerotrain.train as train_mod
+    import zerotrain.run.lifecycle as lifecycle
+    import zerotrain.run.loop as train_mod
 
     ran = []
     monkeypatch.setattr(dist, "launched_by_torchrun", lambda: True)
@@ -445,7 +445,7 @@ def test_launcher_flags_under_torchrun_are_said_to_be_ignored(monkeypatch, capsy
 def test_an_interrupted_rank_0_tells_the_launcher_it_saved(tmp_path, monkeypatch, capsys):
     from zerotrain.cli.args import command
     from zerotrain.comm.launch import SAVED_MARKER, interrupted_status
-    from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted
+    from zerotrain.run.lifecycle import EXIT_INTERRUPTED, Interrupted
 
     @command("demo")
     def body(argv):

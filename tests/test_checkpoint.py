@@ -17,7 +17,7 @@ from zerotrain.checkpoint.io import read_meta
 from zerotrain.checkpoint.reshard import SavedShards
 from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
-from zerotrain.train import train
+from zerotrain.run.loop import train
 
 from multirank import run_ranks
 from zero_harness import batches, local_batch, make_config, run_config, train_losses
@@ -63,7 +63,7 @@ _KILLER = textwrap.dedent("""
     import safetensors.torch as st
     from zerotrain.checkpoint import io
     from zerotrain.config import load_config
-    from zerotrain.train import train
+    from zerotrain.run.loop import train
     real = io.save_file
     calls = []
     def dying_save(tensors, path, *a, **k):

@@ -155,7 +155,7 @@ def test_nproc_errors_share_the_prefix(capsys):
         code, _, err = run(capsys, "train", "--nproc", bad, *TINY)
         assert code == 2 and "--nproc" in one_error(err, "train")
     code, _, err = run(capsys, "train", *TINY, "--nproc")
-    assert code == 2 and "--nproc needs a number" in one_error(err, "train")
+    assert code == 2 and "--nproc needs a value" in one_error(err, "train")
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -210,6 +210,25 @@ def test_parse_count():
     for bad in ("lots", "0", "1e400", "inf", "2e18"):
         with pytest.raises(UsageError, match="--n"):
             parse_count(bad, "--n")
+    assert parse_count("7.1B", "--n") == 7_100_000_000  # whole up to float rounding
+    assert parse_count("0", "--n", minimum=0) == 0
+    with pytest.raises(UsageError, match=r"--n must be a whole number, got '2\.5'"):
+        parse_count("2.5", "--n")
+    with pytest.raises(UsageError, match="--n must be at least 1, got '-2'"):
+        parse_count("-2", "--n")
+
+
+def test_config_command_flags_come_out_of_the_overrides():
+    from zerotrain.cli.run_command import LAUNCHER_FLAGS, drop_flags, split_flags
+
+    argv = ["--nproc", "2", "--optimizer.lr", "3e-4", "--resume", "--max-restarts=1",
+            "--zero.stage", "2"]
+    opts, rest = split_flags(argv, ("--nproc", "--resume", "--max-restarts"))
+    assert opts == {"--nproc": "2", "--resume": "", "--max-restarts": "1"}
+    assert rest == ["--optimizer.lr", "3e-4", "--zero.stage", "2"]
+    # what the launched ranks see: everything but the launcher's own flags
+    assert drop_flags(argv, LAUNCHER_FLAGS) == ["--optimizer.lr", "3e-4", "--resume",
+                                                "--zero.stage", "2"]
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -10,10 +10,11 @@ from fractions import Fraction
 import pytest
 import torch
 
+from zerotrain.cli.float_bits import decode_exact, encode, format_bits
 from zerotrain.cli.float_encode import explain_encode
+from zerotrain.cli.float_notation import exact_decimal, parse_number
 from zerotrain.cli.floats import main_float, main_formats
 from zerotrain.numerics.formats import ALL_FORMATS, FP8_E4M3, FP16, FP32, get_format
-from zerotrain.numerics.notation import exact_decimal, parse_number
 
 
 def run_float(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -81,7 +82,7 @@ def test_e4m3_overflow_saturates_like_torch(capsys: pytest.CaptureFixture[str]) 
     out = run_float(capsys, "1000", "-f", "fp8-e4m3")[1]
     assert "saturate" in out
     torch_bits = torch.tensor([1000.0]).to(torch.float8_e4m3fn).view(torch.uint8).item()
-    assert pattern_line(out) == FP8_E4M3.format_bits(torch_bits) == "0 1111 110"
+    assert pattern_line(out) == format_bits(FP8_E4M3, torch_bits) == "0 1111 110"
     out = run_float(capsys, "inf", "-f", "e4m3")[1]
     assert "no infinity" in out and pattern_line(out) == "0 1111 110"
 
@@ -129,7 +130,7 @@ def _sample_values(fmt_name: str, rng: random.Random) -> list[str]:
     vals = [f"{rng.uniform(1, 10):.{rng.randint(1, 9)}f}e{rng.randint(-50, 40)}" for _ in range(60)]
     for _ in range(40):
         p = rng.randrange(0, fmt.max_finite_bits)
-        a, b = fmt.decode_exact(p), fmt.decode_exact(p + 1)
+        a, b = decode_exact(fmt, p), decode_exact(fmt, p + 1)
         assert isinstance(a, Fraction) and isinstance(b, Fraction)
         vals.append(exact_decimal((a + b) / 2))
     edges = [fmt.max_finite_exact, fmt.min_normal_exact, fmt.min_subnormal_exact]
@@ -144,7 +145,7 @@ def test_derivation_agrees_with_encode(fmt_name: str) -> None:
     fmt = get_format(fmt_name)
     for v in _sample_values(fmt_name, random.Random(fmt.total_bits)):
         out = explain_encode(v, fmt)
-        assert pattern_line(out) == fmt.format_bits(fmt.encode(parse_number(v))), v
+        assert pattern_line(out) == format_bits(fmt, encode(fmt, parse_number(v))), v
 
 
 def test_format_all_has_a_row_per_format(capsys: pytest.CaptureFixture[str]) -> None:
@@ -156,7 +157,7 @@ def test_format_all_has_a_row_per_format(capsys: pytest.CaptureFixture[str]) -> 
     assert "overflow" in rows["fp16"] and "inf" in rows["fp16"]
     assert "448" in rows["fp8-e4m3"] and "overflow" in rows["fp8-e4m3"]
     for fmt in ALL_FORMATS:
-        assert fmt.format_bits(fmt.encode(100000)) in rows[fmt.name]
+        assert format_bits(fmt, encode(fmt, 100000)) in rows[fmt.name]
     out = run_float(capsys, "-1e-6", "--format", "all")[1]
     assert "subnormal" in out and "rounds to zero" in out
 

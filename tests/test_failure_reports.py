@@ -18,8 +18,8 @@ import pytest
 
 from zerotrain.checkpoint import CheckpointError
 from zerotrain.comm.launch import PEER_GONE, choose_cause, outcomes, peer_gone
-from zerotrain.report import phase_text
-from zerotrain.train import train
+from zerotrain.run.loop import train
+from zerotrain.run.report import phase_text
 
 from zero_harness import run_config
 
@@ -133,7 +133,7 @@ def test_a_damaged_shard_on_rank_1_is_the_line_the_user_sees(tmp_path):
 # ----------------------------------------------------------------- signals
 STUCK = """
 import os
-from zerotrain.lifecycle import Preemption
+from zerotrain.run.lifecycle import Preemption
 r, w = os.pipe()
 with Preemption(announce=True) as p:
     print("ready", flush=True)

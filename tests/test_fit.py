@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import zerotrain.report
+import zerotrain.run.report
 from zerotrain.config import build_config
-from zerotrain.curves import curve_series
-from zerotrain.fit import TOLERANCE, diagnose, pair_evaluations, verdict
 from zerotrain.optim.schedule import lr_at
-from zerotrain.train import train
+from zerotrain.run.curves import curve_series
+from zerotrain.run.fit import TOLERANCE, diagnose, pair_evaluations, verdict
+from zerotrain.run.loop import train
 
 
 def records(train_loss, val_loss, steps=1000, log_every=10, eval_every=100):
@@ -126,13 +126,13 @@ def _tiny(tmp_path: Path):
 
 def test_run_output_gap_fit_curves_and_checkpoint_lines(tmp_path, monkeypatch, capsys):
     drawn = {}
-    real = zerotrain.report.plot_curves
+    real = zerotrain.run.report.plot_curves
 
     def spy(series, path, *a):
         drawn.update(series)
         real(series, path, *a)
 
-    monkeypatch.setattr(zerotrain.report, "plot_curves", spy)
+    monkeypatch.setattr(zerotrain.run.report, "plot_curves", spy)
     cfg = _tiny(tmp_path)
     summary = train(cfg)
     out = capsys.readouterr().out

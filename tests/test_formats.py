@@ -8,6 +8,8 @@ from fractions import Fraction
 import pytest
 import torch
 
+from zerotrain.cli.float_bits import classify, decode, decode_exact, encode, format_bits, hex_bits
+from zerotrain.cli.float_notation import parse_bits, parse_number
 from zerotrain.numerics.codec import decode_tensor, encode_tensor
 from zerotrain.numerics.formats import (
     ALL_FORMATS,
@@ -21,7 +23,6 @@ from zerotrain.numerics.formats import (
     FloatFormat,
     get_format,
 )
-from zerotrain.numerics.notation import parse_bits, parse_number
 
 # format name -> (torch dtype, integer dtype of the same width for .view)
 TORCH = {
@@ -66,7 +67,7 @@ def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor, fmt: FloatFormat, x:
         i = int(bad.nonzero()[0])
         raise AssertionError(
             f"{fmt.name}: {int(bad.sum())} mismatches, e.g. x={x[i].item()!r}: "
-            f"ours {fmt.format_bits(int(ours[i]))} torch {fmt.format_bits(int(ref[i]))}"
+            f"ours {format_bits(fmt, int(ours[i]))} torch {format_bits(fmt, int(ref[i]))}"
         )
     assert torch.isnan(decode_tensor(fmt, ours[nan_in])).all()
     assert torch.isnan(decode_tensor(fmt, ref[nan_in])).all()
@@ -85,9 +86,9 @@ def test_scalar_decode_matches_torch_for_every_pattern(name: str) -> None:
     fmt = get_format(name)
     patterns = torch.arange(1 << fmt.total_bits, dtype=torch.int64)
     ref = torch_values(patterns, name)
-    ours = torch.tensor([fmt.decode(p) for p in range(1 << fmt.total_bits)], dtype=torch.float64)
+    ours = torch.tensor([decode(fmt, p) for p in range(1 << fmt.total_bits)], dtype=torch.float64)
     assert_same_floats(ours, ref)
-    exact = [fmt.decode_exact(p) for p in range(0, 1 << fmt.total_bits, 97)]
+    exact = [decode_exact(fmt, p) for p in range(0, 1 << fmt.total_bits, 97)]
     for p, e in zip(range(0, 1 << fmt.total_bits, 97), exact):
         if isinstance(e, Fraction):
             assert float(e) == ref[p].item() and Fraction(ref[p].item()) == e
@@ -111,11 +112,11 @@ def test_encode_decode_round_trip_every_pattern(name: str) -> None:
     assert torch.equal(back[finite], patterns[finite])
     if fmt.total_bits == 8:  # the exact scalar path too
         for p in range(256):
-            if not math.isnan(fmt.decode(p)):
-                assert fmt.encode(fmt.decode(p)) == p
-                exact = fmt.decode_exact(p)
+            if not math.isnan(decode(fmt, p)):
+                assert encode(fmt, decode(fmt, p)) == p
+                exact = decode_exact(fmt, p)
                 if isinstance(exact, Fraction) and exact != 0:
-                    assert fmt.encode(exact) == p
+                    assert encode(fmt, exact) == p
 
 
 # ---- encoding: a million values against torch's cast ---------------------------------------
@@ -179,10 +180,10 @@ def test_encode_tensor_matches_torch_cast(name: str, fp32_inputs: torch.Tensor) 
 def test_encode_default_nan_matches_torch(name: str) -> None:
     fmt = get_format(name)
     x = torch.tensor([math.nan], dtype=torch.float32)
-    assert fmt.classify(int(encode_tensor(fmt, x)[0])) == "nan"
+    assert classify(fmt, int(encode_tensor(fmt, x)[0])) == "nan"
     if name != "bf16":  # torch's bf16 NaN depends on the code path (0x7FC0 or 0xFFFF)
-        assert int(encode_tensor(fmt, x)[0]) == int(torch_bits(x, name)[0]) == fmt.encode(math.nan)
-        assert fmt.encode(-math.nan) == int(torch_bits(-x, name)[0])
+        assert int(encode_tensor(fmt, x)[0]) == int(torch_bits(x, name)[0]) == encode(fmt, math.nan)
+        assert encode(fmt, -math.nan) == int(torch_bits(-x, name)[0])
 
 
 def _doubles_for_fp32(n: int, g: torch.Generator) -> torch.Tensor:
@@ -225,19 +226,19 @@ def test_scalar_encode_matches_torch(name: str) -> None:
     ref = torch_bits(x, name)
     for xi, ri in zip(x.tolist(), ref.tolist()):
         if math.isnan(xi):
-            assert fmt.classify(fmt.encode(xi)) == "nan"
+            assert classify(fmt, encode(fmt, xi)) == "nan"
         else:
-            assert fmt.encode(xi) == ri, (name, xi)
+            assert encode(fmt, xi) == ri, (name, xi)
 
 
 def test_encode_rounds_once_from_the_exact_value() -> None:
     """A double just above an fp16 tie must round up; torch's float64→fp16 cast goes through
     fp32 first and rounds twice (landing on the even neighbour). We round once."""
     x = 1 + 2.0**-11 + 2.0**-40
-    assert FP16.encode(x) == 0x3C01
-    assert FP16.encode(parse_number("0.1")) == FP16.encode(0.1) == 0x2E66
-    assert FP32.encode(parse_number("0.1")) == 0x3DCCCCCD
-    assert FP32.encode(Fraction(1, 3)) == 0x3EAAAAAB
+    assert encode(FP16, x) == 0x3C01
+    assert encode(FP16, parse_number("0.1")) == encode(FP16, 0.1) == 0x2E66
+    assert encode(FP32, parse_number("0.1")) == 0x3DCCCCCD
+    assert encode(FP32, Fraction(1, 3)) == 0x3EAAAAAB
 
 
 def test_encode_tensor_is_vectorised() -> None:
@@ -252,16 +253,16 @@ def test_e4m3_saturates_like_torch() -> None:
     x = torch.tensor([448.0, 463.9, 464.0, 470.0, 1e6, math.inf, -math.inf, -1e6])
     assert torch_bits(x, "fp8-e4m3").tolist() == [0x7E] * 6 + [0xFE] * 2
     assert encode_tensor(FP8_E4M3, x).tolist() == [0x7E] * 6 + [0xFE] * 2
-    assert [FP8_E4M3.encode(v) for v in x.tolist()] == [0x7E] * 6 + [0xFE] * 2
-    assert FP8_E4M3.classify(0x7F) == "nan" and FP8_E4M3.classify(0x7E) == "normal"
-    assert FP8_E4M3.decode(0x78) == 256.0  # exponent 1111 is an ordinary exponent
+    assert [encode(FP8_E4M3, v) for v in x.tolist()] == [0x7E] * 6 + [0xFE] * 2
+    assert classify(FP8_E4M3, 0x7F) == "nan" and classify(FP8_E4M3, 0x7E) == "normal"
+    assert decode(FP8_E4M3, 0x78) == 256.0  # exponent 1111 is an ordinary exponent
 
 
 def test_e5m2_and_fp16_overflow_to_inf() -> None:
-    assert FP8_E5M2.encode(61439.0) == 0x7B and FP8_E5M2.encode(61440.0) == 0x7C  # tie → inf
-    assert FP16.encode(65519.99) == 0x7BFF and FP16.encode(65520.0) == 0x7C00
-    assert FP16.encode(-1e9) == 0xFC00
-    assert FP16.encode(-0.0) == 0x8000 and FP16.encode(0) == 0
+    assert encode(FP8_E5M2, 61439.0) == 0x7B and encode(FP8_E5M2, 61440.0) == 0x7C  # tie → inf
+    assert encode(FP16, 65519.99) == 0x7BFF and encode(FP16, 65520.0) == 0x7C00
+    assert encode(FP16, -1e9) == 0xFC00
+    assert encode(FP16, -0.0) == 0x8000 and encode(FP16, 0) == 0
 
 
 # ---- derived properties --------------------------------------------------------------------
@@ -315,7 +316,7 @@ def test_registry_and_aliases() -> None:
 
 
 def test_format_and_parse_bits() -> None:
-    assert FP32.format_bits(FP32.encode(9.625)) == "0 10000010 00110100000000000000000"
+    assert format_bits(FP32, encode(FP32, 9.625)) == "0 10000010 00110100000000000000000"
     assert parse_bits("0 10000010 00110100000000000000000") == (FP32, 0x411A0000)
     assert parse_bits("01000001000110100000000000000000") == (FP32, 0x411A0000)
     assert parse_bits("0x411A0000") == (FP32, 0x411A0000)
@@ -327,8 +328,8 @@ def test_format_and_parse_bits() -> None:
     g = torch.Generator().manual_seed(5)
     for fmt in ALL_FORMATS:
         for p in torch.randint(0, 1 << fmt.total_bits, (50,), generator=g).tolist():
-            assert parse_bits(fmt.format_bits(p)) == (fmt, p)
-            assert parse_bits(fmt.hex_bits(p), fmt) == (fmt, p)
+            assert parse_bits(format_bits(fmt, p)) == (fmt, p)
+            assert parse_bits(hex_bits(fmt, p), fmt) == (fmt, p)
     for bad, match in [
         ("0x3c00", "fp16.*bf16"),
         ("0011110000000000", "fp16.*bf16"),

@@ -77,7 +77,7 @@ def test_generation_uses_a_generator_on_the_gpu():
     from zerotrain.data.tokenizer import load_tokenizer
     from zerotrain.engine import Engine
     from zerotrain.models.gpt import GPT
-    from zerotrain.train import generate_text
+    from zerotrain.run.loop import generate_text
 
     cfg = build_config({"model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
                         "zero": {"stage": 3}, "train": {"device": "cuda"}})

@@ -78,7 +78,7 @@ def _train_on_a_gpu_like_group(tmp: str, stage: int) -> dict:
     """Train twice: plainly, then with the Comm on a non-CPU device whose group, like
     NCCL's, refuses CPU tensors. Every control reduction must reach it on that device."""
     import zerotrain.comm.collectives as coll
-    from zerotrain.train import train
+    from zerotrain.run.loop import train
 
     tmp_path = Path(tmp)
     plain = train(_train_cfg(tmp_path, "plain", stage))
@@ -138,7 +138,7 @@ def test_more_local_ranks_than_gpus_is_one_error(monkeypatch):
 
 
 def test_the_launcher_checks_gpus_before_starting_ranks(monkeypatch, tmp_path):
-    from zerotrain.train import check_before_launch
+    from zerotrain.run.setup import check_before_launch
 
     _gpus(monkeypatch, 1)
     cfg = _train_cfg(tmp_path, "run", 0, train={"device": "auto"})

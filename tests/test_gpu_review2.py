@@ -638,9 +638,9 @@ def _preempted_on_rank_one(tmp: str) -> dict:
 
     import torch.distributed as dist
 
-    import zerotrain.train as T
+    import zerotrain.run.loop as T
     from zerotrain.comm.collectives import Comm
-    from zerotrain.lifecycle import Interrupted
+    from zerotrain.run.lifecycle import Interrupted
 
     from zero_harness import run_config
 

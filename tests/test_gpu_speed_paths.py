@@ -117,7 +117,8 @@ def test_foreach_helpers_equal_per_tensor_loops():
 def test_the_loss_is_read_only_at_log_steps(tmp_path, monkeypatch):
     """train_step keeps the loss on the device (no `.item()` per micro-step: each one
     waits for the GPU) and returns the mean the old per-step floats gave, exactly."""
-    from zerotrain.train import setup, train_step
+    from zerotrain.run.loop import train_step
+    from zerotrain.run.setup import setup
 
     text = tmp_path / "c.txt"
     text.write_text("".join(f"line {i}: a quick brown fox\n" for i in range(600)))

@@ -155,7 +155,7 @@ def test_uneven_validation_under_zero3_finishes(tmp_path, nproc):
 
 def test_train_closes_the_group_it_opened(tmp_path, monkeypatch):
     from zerotrain.config import build_config
-    from zerotrain.train import train
+    from zerotrain.run.loop import train
 
     text = _uneven_text(tmp_path / "t.txt")
     monkeypatch.setenv("RANK", "0")

@@ -16,7 +16,7 @@ import pytest
 
 from zerotrain.cli import main
 from zerotrain.config import build_config
-from zerotrain.lr_find import DIVERGE_FACTOR, RangeTest, beta_for, lr_find, ramp_lr
+from zerotrain.run.lr_find import DIVERGE_FACTOR, RangeTest, beta_for, lr_find, ramp_lr
 
 TESTS = Path(__file__).parent
 
@@ -194,12 +194,13 @@ def test_two_ranks_zero2_match_one_rank(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "9"], "--steps must be at least 10"),
-    (["--steps", "ten"], "--steps must be a whole number"),
+    (["--steps", "ten"], "--steps 'ten' is not a count"),
+    (["--steps", "20.5"], "--steps must be a whole number"),
     (["--start-lr", "0"], "--start-lr must be a positive number"),
-    (["--start-lr", "abc"], "--start-lr must be a number"),
+    (["--start-lr", "abc"], "--start-lr 'abc' is not a number"),
     (["--end-lr", "1e-6"], "--end-lr (1e-06) must be larger than --start-lr (1e-05)"),
-    (["--end-lr", "inf"], "--end-lr must be finite"),
-    (["--nproc", "0"], "--nproc must be >= 1"),
+    (["--end-lr", "inf"], "--end-lr must be a finite number"),
+    (["--nproc", "0"], "--nproc must be at least 1"),
     (["--steps"], "--steps needs a value"),
     (["--optimizer.lrr", "3"], "unknown config key 'optimizer.lrr'"),
     (["--resume"], "--resume is a train option"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zerotrain.config import ConfigError, build_config
-from zerotrain.trackers import check_backends, flatten, make_trackers, numeric
+from zerotrain.run.trackers import check_backends, flatten, make_trackers, numeric
 
 ALL = ["jsonl", "csv", "tensorboard", "wandb"]
 

@@ -12,7 +12,7 @@ import torch
 
 from zerotrain.cli import main
 from zerotrain.config import build_config
-from zerotrain.train import train
+from zerotrain.run.loop import train
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,13 @@ LLAMA = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 6
 def shards(tmp_path_factory):
     """A BPE tokenizer and token shards of a few source files, made with the CLI."""
     import zerotrain.engine as a
-    import zerotrain.train as b
+    import zerotrain.run.loop as b
+    import zerotrain.run.setup as c
 
     d = tmp_path_factory.mktemp("data")
     text = d / "text"
     text.mkdir()
-    for m in (a, b):
+    for m in (a, b, c):
         (text / (m.__name__ + ".py")).write_text(Path(m.__file__).read_text() * 2)
     tok = d / "tok.json"
     assert main(["tokenizer", "train", str(text), "--vocab", "400", "--out", str(tok)]) == 0

@@ -18,7 +18,8 @@ from zerotrain.data.errors import DataError
 from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
 from zerotrain.numerics.guard import SpikeGuard
-from zerotrain.train import Diverged, train
+from zerotrain.run.loop import train
+from zerotrain.run.setup import Diverged
 
 from zero_harness import batches, corpus, make_config, run_config
 
@@ -164,7 +165,7 @@ def test_divergence_stops_and_never_saves_nonfinite_weights(tmp_path):
 
 
 def test_a_nonfinite_checkpoint_is_refused(tmp_path):
-    from zerotrain.train import setup
+    from zerotrain.run.setup import setup
 
     run = setup(_cfg(tmp_path, steps=4), None)
     with torch.no_grad():

@@ -261,7 +261,7 @@ def p_c2(dev: torch.device) -> None:
     from zerotrain.data.tokenizer import load_tokenizer
     from zerotrain.engine import Engine
     from zerotrain.models.gpt import GPT
-    from zerotrain.train import generate_text
+    from zerotrain.run.loop import generate_text
 
     name = "C2: ZeRO-3 bf16 generation with a device generator, deterministic"
     cfg = build_config({"model": {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32},

@@ -108,7 +108,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zerotrain.models.sampling import NonFiniteOutput
     from zerotrain.models.weights import WeightError
     from zerotrain.numerics.scaler import LossScaleError
-    from zerotrain.train import Diverged
+    from zerotrain.run.setup import Diverged
 
     return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged,
             NonFiniteOutput, WeightError)
@@ -150,7 +150,7 @@ def command(name: str) -> Callable[[Main], Main]:
                     print(f"zerotrain {name}: interrupted", file=sys.stderr)
                 return 130
             except Exception as e:
-                from zerotrain.lifecycle import EXIT_INTERRUPTED, Interrupted
+                from zerotrain.run.lifecycle import EXIT_INTERRUPTED, Interrupted
 
                 if isinstance(e, Interrupted):  # saved; rank 0 says so once
                     if int(os.environ.get("RANK", "0")) == 0:
@@ -185,15 +185,21 @@ def rename_fields(message: str, names: dict[str, str]) -> str:
 
 
 # ---------------------------------------------------------------------- numbers
-def finite_float(text: str) -> float:
-    """argparse type: a float that is neither inf nor nan."""
+def finite_float(text: str, flag: str | None = None) -> float:
+    """A float that is neither inf nor nan. As argparse's `type=` (no flag) a bad one is
+    an ArgumentTypeError, which argparse words with the option's name; given the flag, a
+    UsageError that names it."""
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return x
+        problem = f"{text!r} is not a number"
+    else:
+        if math.isfinite(x):
+            return x
+        problem = f"must be a finite number, got {text!r}"
+    if flag is None:
+        raise argparse.ArgumentTypeError(problem)
+    raise UsageError(f"{flag} {problem}")
 
 
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -201,14 +207,17 @@ _COUNT_SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 
 def parse_count(text: str, flag: str, *, minimum: int = 1, limit: int = 10**18) -> int:
-    """'7.5e9', '7.5B', '125M', '4k' → an element count in [minimum, limit]."""
-    m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([kKmMbBtT]?)\s*", text)
+    """'7.5e9', '7.5B', '125M', '4k', '2' → a whole count in [minimum, limit]."""
+    m = re.fullmatch(r"\s*([-+]?)" + _NUMBER + r"\s*([kKmMbBtT]?)\s*", text)
     if not m:
-        raise UsageError(f"{flag} {text!r} is not a count; write e.g. 7.5e9, 7.5B or 125M")
-    x = float(m.group(1)) * _COUNT_SCALE[m.group(2).lower()]
+        raise UsageError(f"{flag} {text!r} is not a count; write a whole number, e.g. 8, "
+                         "4k, 125M or 7.5e9")
+    x = float(m.group(1) + m.group(2)) * _COUNT_SCALE[m.group(3).lower()]
     if not math.isfinite(x) or x > limit:
         raise UsageError(f"{flag} {text!r} is too large (at most {limit:.0e})")
     n = round(x)
+    if abs(x - n) > 1e-9 * max(1.0, abs(x)):  # 7.1B is 7.1 * 1e9 up to rounding
+        raise UsageError(f"{flag} must be a whole number, got {text!r}")
     if n < minimum:
         raise UsageError(f"{flag} must be at least {minimum}, got {text!r}")
     return n
@@ -271,3 +280,4 @@ def plot_path(text: str, flag: str = "--plot") -> Path:
         raise UsageError(f"{flag} {text!r} is a directory; give a file name such as "
                          f"{path / 'plot.png'}")
     return path
+

@@ -1,7 +1,7 @@
 """`zerotrain float VALUE`: a number encoded the way one does it by hand, one heading at a time.
 
 The derivation (division, repeated doubling, normalising, G/R/S rounding) is computed here
-independently of `FloatFormat.encode` and then checked against it, so the printed steps can
+independently of `float_bits.encode` and then checked against it, so the printed steps can
 never drift from the real rounding. Each numbered heading of the output is one function
 below, reading and extending one `_Work` record.
 """
@@ -12,9 +12,10 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from zerotrain.cli.float_bits import encode
+from zerotrain.cli.float_notation import is_decimal, parse_number, show
 from zerotrain.cli.float_text import TWO, bits_text, layout, overflow_text, result_lines
 from zerotrain.numerics.formats import FP32, FloatFormat, floor_log2, get_format
-from zerotrain.numerics.notation import is_decimal, parse_number, show
 
 __all__ = ["explain_encode"]
 
@@ -71,15 +72,15 @@ def explain_encode(text: str, fmt: FloatFormat | str = FP32) -> str:
     w = _Work(fmt, value, floor_log2(abs(value).numerator, abs(value).denominator))
     out += _sign(w)
     if w.ex > fmt.emax + 64 or w.ex < fmt.emin - fmt.mantissa_bits - 64:
-        return "\n".join(out + _far_out(w) + result_lines(fmt, fmt.encode(value), value))
+        return "\n".join(out + _far_out(w) + result_lines(fmt, encode(fmt, value), value))
     out += _integer_part(w) + _fraction_part(w) + _binary_form(w) + _normalise(w)
     if w.ex > fmt.emax:
-        return "\n".join(out + result_lines(fmt, fmt.encode(value), value))
+        return "\n".join(out + result_lines(fmt, encode(fmt, value), value))
     out += _exponent(w)
     lines, sig, up = _mantissa(w)
     more, bits = _assemble(w, sig, up)
-    if bits != fmt.encode(value):  # the derivation must agree with the real encoder
-        raise AssertionError(f"derivation gave {bits:#x}, encode gives {fmt.encode(value):#x}")
+    if bits != encode(fmt, value):  # the derivation must agree with the real encoder
+        raise AssertionError(f"derivation gave {bits:#x}, encode gives {encode(fmt, value):#x}")
     return "\n".join(out + lines + more + result_lines(fmt, bits, value))
 
 
@@ -226,7 +227,7 @@ def _assemble(w: _Work, sig: int, up: bool) -> tuple[list[str], int]:
     if mag_bits > fmt.max_finite_bits:
         out.append(f"   the rounded value exceeds max finite {show(fmt.max_finite_exact)}: "
                    + overflow_text(fmt))
-        return out, fmt.encode(w.value)
+        return out, encode(fmt, w.value)
     if mag_bits == 0:
         out.append("   all bits are 0: the value underflows to zero")
     return out, mag_bits | (fmt.sign_bit if w.value < 0 else 0)
@@ -271,7 +272,7 @@ def _doublings(frac: Fraction, need: int, first_one: int) -> tuple[str, Fraction
 
 
 def _special(value: float, fmt: FloatFormat) -> list[str]:
-    bits = fmt.encode(value)
+    bits = encode(fmt, value)
     if math.isnan(value):
         fn = " (fn format: only S.1…1.1…1 is NaN)" if fmt.encoding == "fn" else ""
         lines = [f"NaN is stored as exponent all ones with a non-zero mantissa{fn}"]

@@ -7,8 +7,17 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from zerotrain.numerics.formats import ALL_FORMATS, FloatFormat
-from zerotrain.numerics.notation import (
+from zerotrain.cli.float_bits import (
+    classify,
+    decode,
+    decode_exact,
+    encode,
+    fields,
+    format_bits,
+    hex_bits,
+    round_exact,
+)
+from zerotrain.cli.float_notation import (
     exact_decimal,
     is_decimal,
     parse_bits,
@@ -16,6 +25,7 @@ from zerotrain.numerics.notation import (
     short,
     show,
 )
+from zerotrain.numerics.formats import ALL_FORMATS, FloatFormat
 
 __all__ = [
     "TWO",
@@ -52,8 +62,8 @@ def overflow_text(fmt: FloatFormat) -> str:
 
 
 def stored_text(fmt: FloatFormat, bits: int) -> str:
-    kind = fmt.classify(bits)
-    s, e, m = fmt.fields(bits)
+    kind = classify(fmt, bits)
+    s, e, m = fields(fmt, bits)
     sign = "-" if s else "+"
     if kind in ("inf", "nan", "zero"):
         return {"inf": f"{sign}inf", "nan": "NaN", "zero": f"{sign}0"}[kind]
@@ -67,12 +77,12 @@ def result_lines(fmt: FloatFormat, bits: int, value: Fraction | None) -> list[st
     out = [
         "",
         "Result: sign | exponent | mantissa",
-        f"   {fmt.format_bits(bits)}   ({fmt.hex_bits(bits)})",
+        f"   {format_bits(fmt, bits)}   ({hex_bits(fmt, bits)})",
         f"   stored value = {stored_text(fmt, bits)}",
     ]
-    if fmt.classify(bits) in ("normal", "subnormal"):
+    if classify(fmt, bits) in ("normal", "subnormal"):
         out[-1] += f" = {decoded(fmt, bits)}"
-    stored = fmt.decode_exact(bits)
+    stored = decode_exact(fmt, bits)
     if value is None or isinstance(stored, str):
         return out
     err = stored - value
@@ -85,9 +95,9 @@ def result_lines(fmt: FloatFormat, bits: int, value: Fraction | None) -> list[st
         + (f"  ({approx})" if approx != show(err) else "")
     )
     bound = fmt.epsilon_exact / 2
-    if fmt.round_exact(value).overflow:
+    if round_exact(fmt, value).overflow:
         note = "overflow: saturated to the largest finite value"
-    elif fmt.classify(bits) == "normal" and abs(value) >= fmt.min_normal_exact:
+    elif classify(fmt, bits) == "normal" and abs(value) >= fmt.min_normal_exact:
         note = (
             f"≤ ε/2 = 2^-{fmt.mantissa_bits + 1} ≈ {float(bound):.3g}, the round-to-nearest bound"
         )
@@ -104,7 +114,7 @@ def result_lines(fmt: FloatFormat, bits: int, value: Fraction | None) -> list[st
 
 
 def decoded(fmt: FloatFormat, bits: int) -> str:
-    exact = fmt.decode_exact(bits)
+    exact = decode_exact(fmt, bits)
     if isinstance(exact, str):
         return exact
     text = show(exact, limit=60)
@@ -124,9 +134,9 @@ def explain_all(text: str) -> str:
     )
     rows = [("format", "pattern", "stored value", "error", "rel error", "note")]
     for fmt in ALL_FORMATS:
-        bits = fmt.encode(value)
-        stored = fmt.decode_exact(bits)
-        kind = fmt.classify(bits)
+        bits = encode(fmt, value)
+        stored = decode_exact(fmt, bits)
+        kind = classify(fmt, bits)
         if isinstance(value, float) or isinstance(stored, str):
             abs_e = rel_e = "-"
             note = _special_note(fmt, value, kind)
@@ -135,13 +145,13 @@ def explain_all(text: str) -> str:
             abs_e = short(err)
             rel_e = short(abs(err / value)) if value else "0"
             note = _note(fmt, value, stored, kind, err)
-        shown = repr(fmt.decode(bits))
-        rows.append((fmt.name, fmt.format_bits(bits), shown, abs_e, rel_e, note))
+        shown = repr(decode(fmt, bits))
+        rows.append((fmt.name, format_bits(fmt, bits), shown, abs_e, rel_e, note))
     return head + "\n\n" + table(rows)
 
 
 def _note(fmt: FloatFormat, value: Fraction, stored: Fraction, kind: str, err: Fraction) -> str:
-    if value != 0 and fmt.round_exact(value).overflow:
+    if value != 0 and round_exact(fmt, value).overflow:
         return f"overflow → saturated to ±{show(fmt.max_finite_exact)}"
     if err == 0:
         return "exact, subnormal" if kind == "subnormal" else "exact"
@@ -172,29 +182,29 @@ def explain_bits(text: str, fmt: FloatFormat | str | None = None) -> str:
     """Decode a pattern field by field; the format comes from the grouping or `fmt`."""
     given = fmt is not None
     fmt, bits = parse_bits(text, fmt)
-    s = fmt.fields(bits)[0]
+    s = fields(fmt, bits)[0]
     how = "given by --format" if given else "inferred from the pattern"
     out = [
-        f"{fmt.format_bits(bits)} ({fmt.hex_bits(bits)}) read as {fmt.name} ({how})",
+        f"{format_bits(fmt, bits)} ({hex_bits(fmt, bits)}) read as {fmt.name} ({how})",
         f"   {layout(fmt)}",
         "",
         f"sign      S = {s} → {'negative' if s else 'positive'}",
     ]
-    if fmt.classify(bits) in ("nan", "inf", "zero"):
+    if classify(fmt, bits) in ("nan", "inf", "zero"):
         return "\n".join(out + _special_fields(fmt, bits))
     return "\n".join(out + _finite_fields(fmt, bits))
 
 
 def _field_bits(fmt: FloatFormat, bits: int) -> tuple[int, int, str, str]:
     """Sign, biased exponent, and the exponent and mantissa fields as written digits."""
-    s, e, m = fmt.fields(bits)
+    s, e, m = fields(fmt, bits)
     return s, e, f"{e:0{fmt.exponent_bits}b}", f"{m:0{fmt.mantissa_bits}b}"
 
 
 def _special_fields(fmt: FloatFormat, bits: int) -> list[str]:
     """Exponent and mantissa of a NaN, an infinity or a zero."""
     s, e, ebits, mbits = _field_bits(fmt, bits)
-    kind = fmt.classify(bits)
+    kind = classify(fmt, bits)
     if kind == "nan":
         if fmt.encoding == "fn":
             why = f"S.{ebits}.{mbits} is {fmt.name}'s only NaN code (this format has no inf)"
@@ -211,7 +221,7 @@ def _finite_fields(fmt: FloatFormat, bits: int) -> list[str]:
     """Exponent, mantissa as a sum of powers of two, and the value of a (sub)normal number."""
     s, e, ebits, mbits = _field_bits(fmt, bits)
     m = int(mbits, 2)
-    if fmt.classify(bits) == "subnormal":
+    if classify(fmt, bits) == "subnormal":
         out = [f"exponent  {ebits}{TWO} = 0 → subnormal: no implicit 1, value = 0.M × "
                f"2^(1−{fmt.bias}) = 0.M × 2^{fmt.emin}"]
         lead, E = 0, fmt.emin

@@ -9,10 +9,11 @@ import json
 from fractions import Fraction
 
 from zerotrain.cli.args import Parser, UsageError, command
+from zerotrain.cli.float_bits import decode, encode
 from zerotrain.cli.float_encode import explain_encode
+from zerotrain.cli.float_notation import exact_decimal, parse_number
 from zerotrain.cli.float_text import explain_all, explain_bits, overflow_text, table
 from zerotrain.numerics.formats import ALL_FORMATS, FP32, FloatFormat, floor_log2, get_format
-from zerotrain.numerics.notation import exact_decimal, parse_number
 
 __all__ = ["format_rows", "formats_table", "main_float", "main_formats"]
 
@@ -169,7 +170,7 @@ def _scaled_text(a: argparse.Namespace) -> str:
         scale = Fraction(parse_number(a.scale))
         how = "given"
     scaled = x * scale
-    stored = fmt.decode(fmt.encode(scaled))
+    stored = decode(fmt, encode(fmt, scaled))
     back = Fraction(stored) / scale if stored == stored and abs(stored) != float("inf") \
         else None
     lines = [f"scale {exact_decimal(scale)} ({how}); {a.value} × scale = "

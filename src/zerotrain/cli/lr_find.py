@@ -1,22 +1,26 @@
 """`zerotrain lr-find`: a learning-rate range test on the run's own model and data.
 
-Takes the same config, flags and overrides as `zerotrain train` (our own flags are
-pulled out the same way, everything else is a config override); the test itself is
-`zerotrain.lr_find`.
+Takes the same config, flags and overrides as `zerotrain train` (both go through
+`run_command.config_command`: our own flags pulled out, the rest config overrides, then
+run here or launched on --nproc ranks); the test itself is
+`zerotrain.run.lr_find`.
 """
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING
 
-from zerotrain.cli.args import Parser, UsageError, command
-from zerotrain.cli.train import _drop_flag, _load, _nproc, _split_known
+from zerotrain.cli.args import Parser, UsageError, command, finite_float, parse_count
+from zerotrain.cli.run_command import Job, config_command
+
+if TYPE_CHECKING:
+    from zerotrain.config import Config
 
 DEFAULTS = {"--start-lr": 1e-5, "--end-lr": 1.0, "--steps": 100}
 
 
 def help_text() -> str:
-    from zerotrain.lr_find import DIVERGENCE, SMOOTHING, SUGGESTION
+    from zerotrain.run.lr_find import DIVERGENCE, SMOOTHING, SUGGESTION
 
     p = Parser("lr-find", "Learning-rate range test: train the configured model on its data "
                "for --steps optimizer steps while the lr grows exponentially from --start-lr "
@@ -43,21 +47,20 @@ def help_text() -> str:
     return p.format_help()
 
 
-def _number(flag: str, text: str | bool) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise UsageError(f"{flag} must be a number, got {text!r}") from None
-    if not math.isfinite(x):
-        raise UsageError(f"{flag} must be finite, got {text!r}")
-    return x
+def _job(opts: dict[str, str], cfg: Config) -> Job:
+    for flag in ("--resume", "--max-restarts"):
+        if flag in opts:
+            raise UsageError(f"{flag} is a train option; lr-find always starts from the "
+                             "configured model's initial (or model.hf pretrained) weights")
+    from zerotrain.run.lr_find import MIN_STEPS, check_range, lr_find, range_test_config
 
-
-def _steps(text: str | bool) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"--steps must be a whole number, got {text!r}") from None
+    start = finite_float(opts.get("--start-lr", str(DEFAULTS["--start-lr"])), "--start-lr")
+    end = finite_float(opts.get("--end-lr", str(DEFAULTS["--end-lr"])), "--end-lr")
+    steps = parse_count(opts.get("--steps", str(DEFAULTS["--steps"])), "--steps",
+                        minimum=MIN_STEPS)
+    check_range(start, end, steps)
+    return Job(lambda: lr_find(cfg, start_lr=start, end_lr=end, steps=steps),
+               range_test_config(cfg, steps))
 
 
 @command("lr-find")
@@ -65,35 +68,6 @@ def main_lr_find(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    flags = {"--config": True, "--nproc": True, "--deepspeed": True, "--start-lr": True,
-             "--end-lr": True, "--steps": True, "--resume": True, "--max-restarts": True}
-    opts, overrides = _split_known(argv, flags)
-    for flag in ("--resume", "--max-restarts"):
-        if flag in opts:
-            raise UsageError(f"{flag} is a train option; lr-find always starts from the "
-                             "configured model's initial (or model.hf pretrained) weights")
-    for flag, value in opts.items():
-        if value == "":
-            raise UsageError(f"{flag} needs a value (see 'zerotrain lr-find --help')")
-    start = _number("--start-lr", opts.get("--start-lr", DEFAULTS["--start-lr"]))
-    end = _number("--end-lr", opts.get("--end-lr", DEFAULTS["--end-lr"]))
-    steps = _steps(opts.get("--steps", DEFAULTS["--steps"]))
-    nproc = _nproc(opts["--nproc"]) if "--nproc" in opts else 1
-    from zerotrain.lr_find import check_range, lr_find, range_test_config
-
-    check_range(start, end, steps)
-    cfg = _load(opts, overrides, nproc)  # validate before launching
-    from zerotrain.comm.dist import launched_by_torchrun
-
-    if launched_by_torchrun():
-        from zerotrain.lifecycle import die_with_parent
-
-        die_with_parent()
-    elif nproc > 1:
-        from zerotrain.comm.launch import launch_local
-        from zerotrain.train import launch_checked
-
-        with launch_checked(range_test_config(cfg, steps), None, nproc):
-            return launch_local(nproc, ["lr-find", *_drop_flag(argv, "--nproc")])
-    lr_find(cfg, start_lr=start, end_lr=end, steps=steps)
-    return 0
+    return config_command("lr-find", argv, ("--start-lr", "--end-lr", "--steps", "--resume",
+                                            "--max-restarts"), _job,
+                          bare=("--resume", "--max-restarts"))  # refused by _job

@@ -39,7 +39,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-EXIT_INTERRUPTED = 75  # the same status as zerotrain.lifecycle.EXIT_INTERRUPTED
+EXIT_INTERRUPTED = 75  # the same status as zerotrain.run.lifecycle.EXIT_INTERRUPTED
 EXIT_NOT_SAVED = 130  # interrupted before anything was saved (as a shell's Ctrl-C)
 #: rank 0's note that an interrupted run saved its checkpoint (written by cli.args)
 SAVED_MARKER = "interrupted-saved.txt"

@@ -4,7 +4,9 @@ A `FloatFormat` knows nothing but its layout and its special-value rules; every 
 (max finite, min normal, epsilon, ...) is computed from them with exact arithmetic, so the
 table printed by `zerotrain formats` and the tests against `torch.finfo` check the theory,
 not a list of copied constants. Encoding rounds to nearest, ties to even, exactly like
-torch's casts, and the tensor versions use only integer ops on float64 bit patterns.
+torch's casts: the tensor versions (`codec.py`) use only integer ops on float64 bit
+patterns; the exact scalar ones that `zerotrain float` prints step by step (fields,
+decode, round, encode) are `zerotrain.cli.float_bits`.
 """
 
 from __future__ import annotations
@@ -27,37 +29,9 @@ __all__ = [
     "FP32",
     "TF32",
     "FloatFormat",
-    "Rounding",
     "floor_log2",
     "get_format",
 ]
-
-Number = float | int | Fraction
-
-
-@dataclass(frozen=True)
-class Rounding:
-    """How one exact value lands in a format: the pieces a person rounding by hand would see.
-
-    `significand` counts quanta of 2^`quantum_exp` (the weight of the last mantissa bit):
-    `truncated` before rounding, `significand` after. guard/round/sticky are the classic
-    G/R/S bits just below that last place.
-    """
-
-    negative: bool
-    exponent: int  # floor(log2 |x|)
-    subnormal: bool
-    quantum_exp: int
-    truncated: int
-    guard: int
-    round_bit: int
-    sticky: int
-    rounded_up: bool
-    tie: bool
-    significand: int
-    overflow: bool
-    bits: int
-
 
 @dataclass(frozen=True)
 class FloatFormat:
@@ -142,7 +116,7 @@ class FloatFormat:
 
     @property
     def max_finite_exact(self) -> Fraction:
-        return self._magnitude_exact(self.max_finite_bits)
+        return self.magnitude_exact(self.max_finite_bits)
 
     @property
     def min_normal_exact(self) -> Fraction:
@@ -207,94 +181,15 @@ class FloatFormat:
             return None
         return (self.exponent_mask << self.mantissa_bits) | (self.sign_bit if negative else 0)
 
-    def fields(self, bits: int) -> tuple[int, int, int]:
-        """Split a pattern into (sign, biased exponent, mantissa)."""
-        self._check_bits(bits)
-        return (
-            bits >> (self.total_bits - 1),
-            (bits >> self.mantissa_bits) & self.exponent_mask,
-            bits & self.mantissa_mask,
-        )
-
-    def classify(self, bits: int) -> Literal["zero", "subnormal", "normal", "inf", "nan"]:
-        _, e, m = self.fields(bits)
-        if self.encoding == "fn":
-            if e == self.exponent_mask and m == self.mantissa_mask:
-                return "nan"
-        elif e == self.exponent_mask:
-            return "inf" if m == 0 else "nan"
-        if e == 0:
-            return "zero" if m == 0 else "subnormal"
-        return "normal"
-
-    # ---- decoding ------------------------------------------------------------------------
-    def _magnitude_exact(self, mag_bits: int) -> Fraction:
+    # ---- values --------------------------------------------------------------------------
+    def magnitude_exact(self, mag_bits: int) -> Fraction:
+        """The exact value of a pattern's magnitude bits (sign bit clear, not inf or NaN)."""
         e, m = mag_bits >> self.mantissa_bits, mag_bits & self.mantissa_mask
         if e == 0:
             return Fraction(m) * Fraction(2) ** (self.emin - self.mantissa_bits)
         unbiased = e - self._bias
         return Fraction((1 << self.mantissa_bits) | m) * Fraction(2) ** (
             unbiased - self.mantissa_bits
-        )
-
-    def decode_exact(self, bits: int) -> Fraction | str:
-        """Exact value of a pattern; 'inf', '-inf' or 'nan' for the specials.
-
-        -0 decodes to Fraction(0): use `decode` when the sign of zero matters.
-        """
-        kind = self.classify(bits)
-        sign, _, _ = self.fields(bits)
-        if kind == "nan":
-            return "nan"
-        if kind == "inf":
-            return "-inf" if sign else "inf"
-        value = self._magnitude_exact(bits & (self.sign_bit - 1))
-        return -value if sign else value
-
-    def decode(self, bits: int) -> float:
-        """Pattern → Python float (exact: every format here fits in a double)."""
-        exact = self.decode_exact(bits)
-        if isinstance(exact, str):
-            return float(exact)
-        return math.copysign(float(exact), -1.0 if bits & self.sign_bit else 1.0)
-
-    # ---- encoding ------------------------------------------------------------------------
-    def round_exact(self, value: Fraction, negative: bool | None = None) -> Rounding:
-        """Round an exact non-zero finite value to nearest, ties to even; keep the G/R/S story."""
-        if value == 0:
-            raise ValueError("round_exact needs a non-zero value (zero has no exponent)")
-        neg = value < 0 if negative is None else negative
-        n, d = abs(value.numerator), value.denominator
-        exponent = floor_log2(n, d)
-        eff = max(exponent, self.emin)
-        q = eff - self.mantissa_bits
-        # |x| / 2^q as num/den, with plain ints (no gcd on huge numbers)
-        num, den = (n, d << q) if q >= 0 else (n << -q, d)
-        truncated, rest = divmod(num, den)  # rest/den in [0, 1): the bits below the last place
-        guard = int(2 * rest >= den)
-        round_bit = (4 * rest // den) % 2
-        sticky = int(4 * rest % den != 0)
-        tie = 2 * rest == den
-        up = 2 * rest > den or (tie and truncated % 2 == 1)
-        sig = truncated + int(up)
-        mag_bits = ((eff - self.emin) << self.mantissa_bits) + sig
-        overflow = mag_bits > self.max_finite_bits
-        if overflow:
-            mag_bits = self.overflow_bits(neg) & (self.sign_bit - 1)
-        return Rounding(
-            negative=neg,
-            exponent=exponent,
-            subnormal=exponent < self.emin,
-            quantum_exp=q,
-            truncated=truncated,
-            guard=guard,
-            round_bit=round_bit,
-            sticky=sticky,
-            rounded_up=up,
-            tie=tie,
-            significand=sig,
-            overflow=overflow,
-            bits=mag_bits | (self.sign_bit if neg else 0),
         )
 
     def overflow_bits(self, negative: bool) -> int:
@@ -306,42 +201,6 @@ class FloatFormat:
         if self.overflow == "saturate":
             return self.max_finite_bits | s
         return self.nan_bits(negative)
-
-    def encode(self, x: Number) -> int:
-        """Round any real (float, int or exact Fraction) to a pattern.
-
-        Works from the exact value, so a double is rounded once (no detour through fp32);
-        text such as "0.1" goes through `notation.parse_number` first, which reads it as
-        the real number 1/10, not the double nearest to it.
-        """
-        if isinstance(x, float):
-            negative = math.copysign(1.0, x) < 0
-            if math.isnan(x):
-                return self.nan_bits(negative)
-            if math.isinf(x):
-                inf = self.inf_bits(negative)
-                return inf if inf is not None else self.overflow_bits(negative)
-            if x == 0:
-                return self.sign_bit if negative else 0
-            return self.round_exact(Fraction(x), negative).bits
-        value = Fraction(x)
-        if value == 0:
-            return 0
-        return self.round_exact(value).bits
-
-    # ---- text ----------------------------------------------------------------------------
-    def format_bits(self, bits: int, sep: str = " ") -> str:
-        """'0 10000010 00110100000000000000000': the fields, as one writes them by hand."""
-        s, e, m = self.fields(bits)
-        return sep.join((str(s), f"{e:0{self.exponent_bits}b}", f"{m:0{self.mantissa_bits}b}"))
-
-    def hex_bits(self, bits: int) -> str:
-        self._check_bits(bits)
-        return f"0x{bits:0{(self.total_bits + 3) // 4}X}"
-
-    def _check_bits(self, bits: int) -> None:
-        if not 0 <= bits < (1 << self.total_bits):
-            raise ValueError(f"{bits:#x} is not a {self.total_bits}-bit {self.name} pattern")
 
     def __str__(self) -> str:
         return self.name

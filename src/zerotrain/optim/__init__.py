@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerotrain.optim import functional
-from zerotrain.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, Muon, RMSprop
+from zerotrain.optim.muon import Muon
+from zerotrain.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
 from zerotrain.optim.schedule import WarmupDecayLR, lr_at, lr_from_config
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ How the work is cut — cache blocks on the CPU, bounded chunks on accelerators,
 fused compiled pass for Adam/AdamW — is `batching.py`; the rules here only say what
 happens to one batch of tensors.
 
-Muon's matrix rule (Newton–Schulz, not elementwise) is `muon.py`, re-exported here.
+Muon's matrix rule (Newton–Schulz, not elementwise) is `muon.py`, beside its class.
 
 Conventions follow torch.optim (weight decay as L2 for SGD/Adam/AdaGrad/RMSProp,
 decoupled θ ← θ − η·λ·θ for AdamW/Lion/Muon); see SPEC.md §1 for the formulas.
@@ -283,16 +283,6 @@ def lion_(
     _run(_lion_math, (P, G, M), (lr, 1 - lr * weight_decay), consts)
 
 
-from zerotrain.optim.muon import (  # noqa: E402  (Muon's rule: its own module, re-exported)
-    MUON_NS_COEFFICIENTS,
-    muon_,
-    muon_apply_,
-    muon_direction,
-    muon_lr,
-    newton_schulz,
-)
-
 __all__ = [
-    "MUON_NS_COEFFICIENTS", "adagrad_", "adam_", "adam_compile_probe", "adamw_", "lion_",
-    "muon_", "muon_apply_", "muon_direction", "muon_lr", "newton_schulz", "rmsprop_", "sgd_",
+    "adagrad_", "adam_", "adam_compile_probe", "adamw_", "lion_", "rmsprop_", "sgd_",
 ]

@@ -1,9 +1,11 @@
-"""Muon's update rule: momentum, then Newton–Schulz orthogonalisation of the whole matrix.
+"""Muon: momentum, then Newton–Schulz orthogonalisation of the whole matrix; the rule and
+the optimizer class that keeps its state.
 
-Unlike the elementwise rules in `functional.py` (which re-exports these), Muon needs each
-weight matrix whole: `muon_direction` computes the orthogonalised update O where the
-matrix is, `muon_apply_` applies it elementwise where its (master) slices are —
-distributed Muon (zero/muon.py) runs the two halves on different ranks.
+Unlike the elementwise rules in `functional.py`, Muon needs each weight matrix whole:
+`muon_direction` computes the orthogonalised update O where the matrix is, `muon_apply_`
+applies it elementwise where its (master) slices are — distributed Muon (zero/muon.py)
+runs the two halves on different ranks. The class `Muon` (AdamW for what is not a
+matrix) shares the plumbing of the other classes in `optimizers.py`.
 """
 
 from __future__ import annotations
@@ -11,12 +13,24 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from zerotrain.optim.batching import Tensors
 from zerotrain.optim.batching import lists as _lists
+from zerotrain.optim.functional import adamw_
+from zerotrain.optim.optimizers import (
+    Params,
+    _adam_state,
+    _Base,
+    _check,
+    _check_betas,
+    _get,
+    _grads,
+    _zeros,
+)
 
 MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -150,3 +164,77 @@ def muon_apply_(param: Tensor, direction: Tensor, shape: Sequence[int], *, lr: f
     if weight_decay:
         param.mul_(1 - lr * weight_decay)
     param.add_(direction, alpha=-muon_lr(lr, shape, adjust_lr_fn))
+
+
+class Muon(_Base):
+    """Muon for matrices, AdamW for everything else, in one optimizer.
+
+    A parameter takes the Muon path when its group's `use_muon` is True, or, when that
+    is None (default), when it has 2+ dims. Put embeddings and the output head in a
+    group with use_muon=False to give them AdamW, as Jordan et al. recommend. Both
+    paths share the group's lr and weight_decay; the default `adjust_lr_fn`
+    ("match_rms_adamw") scales Muon's update to AdamW's RMS so that works (see
+    `muon_lr`). Muon state is torch.optim.Muon's `momentum_buffer`; the AdamW
+    tensors keep `step`, `exp_avg`, `exp_avg_sq`.
+
+    A group with `defer_update=True` holds stand-ins for matrices whose weights live
+    elsewhere (ZeRO shards; see zero/muon.py): the step updates their momentum and leaves
+    the orthogonalised update O in each stand-in, for the caller to apply with
+    `muon_apply_` where the weights are.
+    """
+
+    elementwise = False
+
+    def __init__(self, params: Params, lr: float = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
+                 eps: float = 1e-7, ns_steps: int = 5,
+                 adjust_lr_fn: str | None = "match_rms_adamw",
+                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                 use_muon: bool | None = None, defer_update: bool = False,
+                 ns_tf32: bool = False) -> None:
+        _check(lr >= 0, f"lr must be >= 0, got {lr}")
+        _check(0 <= momentum < 1, f"momentum must be in [0, 1), got {momentum}")
+        _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+        _check(ns_steps >= 1, f"ns_steps must be >= 1, got {ns_steps}")
+        _check(adjust_lr_fn in (None, "original", "match_rms_adamw"),
+               f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, got {adjust_lr_fn!r}")
+        _check_betas(adamw_betas, "adamw_betas")
+        super().__init__(params, dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+            use_muon=use_muon, defer_update=defer_update, ns_tf32=ns_tf32))
+
+    @classmethod
+    def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
+        """4: the momentum of each matrix. Tensors on the AdamW fallback carry 8, so this
+        is exact only when those (biases, norms; embeddings if excluded) are negligible."""
+        return 4
+
+    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        flag = group["use_muon"]
+        mats = [p for p in params if (p.ndim >= 2 if flag is None else flag)]
+        rest = [p for p in params if not (p.ndim >= 2 if flag is None else flag)]
+        if mats:
+            for p in mats:
+                self._state(p, lambda p: {"momentum_buffer": _zeros(p)})
+            ns = dict(momentum=group["momentum"], nesterov=group["nesterov"],
+                      ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
+                      eps=group["eps"], tf32=group["ns_tf32"])
+            if group["defer_update"]:
+                for p in mats:
+                    p.copy_(muon_direction(p.grad, self.state[p]["momentum_buffer"], **ns))
+            else:
+                muon_(mats, _grads(mats), _get(mats, self.state, "momentum_buffer"),
+                        lr=group["lr"], weight_decay=group["weight_decay"],
+                        adjust_lr_fn=group["adjust_lr_fn"], **ns)
+        if rest:
+            for p in rest:
+                self._state(p, _adam_state)
+            beta1, beta2 = group["adamw_betas"]
+            for (_, step), ps in self._count_step(rest).items():
+                adamw_(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
+                         _get(ps, self.state, "exp_avg_sq"), step=step, lr=group["lr"],
+                         beta1=beta1, beta2=beta2, eps=group["adamw_eps"],
+                         weight_decay=group["weight_decay"])

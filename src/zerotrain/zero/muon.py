@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from zerotrain.models.plan import Group
-from zerotrain.optim.functional import muon_apply_
+from zerotrain.optim.muon import muon_apply_
 from zerotrain.zero.flat import ParamSlot, Segment
 
 if TYPE_CHECKING:

@@ -1,7 +1,10 @@
 """What a training run tells its user: metrics file, progress bar, lines, curves.
 
 Only rank 0 reports; every other rank gets a Reporter that does nothing, so the loop
-in `train.py` never asks which rank it is.
+in `loop.py` never asks which rank it is. Every rank still calls every method at the same
+point of the run, because a few lines read numbers that all ranks compute together.
+The text of each line is here: the start (ranks, strategy, model-state bytes, a CPU's
+cost), a logged step, the peak memory per phase, and the end of a run.
 """
 
 from __future__ import annotations
@@ -12,11 +15,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from zerotrain.config import Config
-from zerotrain.curves import Series, curve_series, plot_curves
+from zerotrain.memory import activation_bytes, activation_dtype_bytes
 from zerotrain.optim.schedule import lr_from_config
-from zerotrain.trackers import make_trackers
+from zerotrain.run.curves import Series, curve_series, plot_curves
+from zerotrain.run.trackers import make_trackers
+
+if TYPE_CHECKING:
+    from zerotrain.engine import Engine, StepInfo
+    from zerotrain.run.fit import Fit
 
 #: how often a log file (stderr not a terminal) gets a progress line, at most
 LINE_EVERY_S = 30.0
@@ -36,6 +45,7 @@ class Reporter:
         redraws = sys.stderr.isatty() or "ipykernel" in sys.modules
         self.lines = self.enabled and cfg.logging.progress and not redraws
         self._last_line = -math.inf
+        self.phases_said = False  # the peak-memory line has been printed
         if self.enabled and cfg.logging.progress and not self.lines:
             from tqdm import tqdm
 
@@ -75,6 +85,71 @@ class Reporter:
                   + ", ".join(f"{k} {v}" for k, v in post.items()), file=sys.stderr,
                   flush=True)
 
+    def start(self, eng: Engine, world: int) -> None:
+        """Before the first step: ranks, strategy, parameters, the model states' bytes,
+        distributed Muon's owners, and a warning when a CPU step would take minutes."""
+        mem = eng.memory_report()
+        self.record({"type": "memory", "step": eng.global_step, **mem})
+        ms = mem["model_states"]
+        n_params = sum(p.numel() for p in eng.module.parameters())
+        self.say(f"[zerotrain] {world} rank(s), {eng.strategy.name}, "
+                 f"{n_params:,} params, {eng.policy.describe()}")
+        self.say("[zerotrain] model states on rank 0 (bytes): " + ", ".join(
+            f"{place} {k}={v:,}" for place in ("device", "host") for k, v in ms[place].items()
+            if v))
+        if eng.strategy.muon is not None:  # distributed Muon: who updates which matrices
+            self.say(f"[zerotrain] {eng.strategy.muon.describe()}")
+        if eng.device.type == "cpu":
+            warning = cpu_cost_warning(self.cfg, n_params)
+            if warning:
+                self.say(warning)
+
+    def log_step(self, eng: Engine, sinfo: StepInfo, loss: float, tokens_per_s: float,
+                 dt: float) -> None:
+        """A logged step: its record, and the progress bar's numbers."""
+        rec = {"type": "train", "step": eng.global_step, "loss": loss, "lr": sinfo.lr,
+               "grad_norm": sinfo.grad_norm, "tokens_per_s": tokens_per_s,
+               "step_time_s": dt, "loss_scale": sinfo.loss_scale,
+               "skipped_total": sinfo.skipped_total, "bytes_sent": eng.last_traffic_bytes[0]}
+        if sinfo.fp8 is not None:  # FP8 overflow/underflow counts per tensor class, this step
+            rec["fp8"] = sinfo.fp8
+        self.train_step(rec, eng.policy.loss_scaling)
+
+    def phases(self, eng: Engine) -> None:
+        """Peak memory per phase against the model's prediction (rank 0's numbers)."""
+        c = self.cfg
+        acts, modelled = 0, c.model.arch == "gpt" and c.model.hf is None
+        if modelled:
+            acts = activation_bytes(c.model, c.data.micro_batch_size, c.model.block_size,
+                                    act_bytes=activation_dtype_bytes(c.precision.dtype))
+        ph = eng.memory_phases(acts)
+        self.record({"type": "memory_phases", "step": eng.global_step,
+                     "activations_modelled": modelled, **ph})
+        # said once: after the first steps, or at the end of a run that never got there
+        if not self.phases_said:
+            self.phases_said = True
+            self.say(phase_text(ph, modelled, eng.device.type == "cpu"))
+
+    def finish(self, summary: dict[str, Any], fit: Fit, sample: str) -> None:
+        """The end of a run: the summary record, curves.png, the sample, the result lines;
+        then every tracker is closed."""
+        self.record(summary)
+        baseline, label = uniform_baseline(self.cfg.model.vocab_size)
+        if self.cfg.logging.plot:
+            self.plot(baseline, label)
+        if sample and self.enabled:
+            (self.run_dir / "sample.txt").write_text(sample)
+            self.say("\n----- sample -----\n" + sample + "\n------------------")
+        first, final = summary["first_val_loss"], summary["final_val_loss"]
+        fv = f"{first:.4f} -> " if first is not None else ""
+        self.say(f"[zerotrain] validation loss {fv}{final:.4f} ({label.split(' (')[0]} = "
+                 f"{baseline:.4f}), {summary['final_val_bits_per_byte']:.4f} bits/byte; "
+                 f"{fit.gap_text()}; {summary['steps_run']} steps in "
+                 f"{summary['seconds']:.1f}s; checkpoint {summary['checkpoint']}; metrics "
+                 f"{', '.join(self.log.where) or 'not written (logging.backends [])'}")
+        self.say(fit.line())
+        self.close()
+
     def advance(self) -> None:
         if self.bar is not None:
             self.bar.update(1)
@@ -112,6 +187,27 @@ class Reporter:
         if self.enabled and self.log.records:
             plot_curves(self.curve_data(), self.run_dir / "curves.png", baseline,
                         baseline_label)
+
+
+#: what a CPU rank computes per second, roughly (a few cores of fp32 matmul)
+CPU_FLOPS = 1e11
+
+
+def cpu_cost_warning(cfg: Config, n_params: int) -> str | None:
+    """A warning when one step would take minutes on a CPU: the matmuls (6 FLOPs per
+    parameter per token) and attention, which grows with block_size² (12·L·h·s² per
+    sequence, forward and backward). Said before the first step, which may never end."""
+    m, d = cfg.model, cfg.data
+    seqs = d.micro_batch_size * d.grad_accum_steps
+    s, h, layers = m.block_size, m.n_embd or 0, m.n_layer or 0
+    flops = 6 * n_params * seqs * s + 12 * layers * h * seqs * s * s
+    seconds = flops / CPU_FLOPS
+    if seconds < 60:
+        return None
+    return (f"[zerotrain] warning: one step is about {flops:.1e} FLOPs on each rank "
+            f"(attention grows with model.block_size² = {s}²); at the ~{CPU_FLOPS:.0e} "
+            f"FLOP/s of a CPU that is about {seconds / 60:.0f} min per step; lower "
+            "model.block_size or data.micro_batch_size, or train on a GPU")
 
 
 def uniform_baseline(vocab_size: int) -> tuple[float, str]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotrain.fit import pair_evaluations
+from zerotrain.run.fit import pair_evaluations
 
 Series = dict[str, tuple[list[float], list[float]]]
 

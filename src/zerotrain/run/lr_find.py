@@ -1,6 +1,6 @@
 """`zerotrain lr-find`: a learning-rate range test on the configured model and data.
 
-The run is built exactly as `zerotrain train` builds it (`train.setup`: data, model,
+The run is built exactly as `zerotrain train` builds it (`setup.setup`: data, model,
 ZeRO stage, precision, ranks), then trained for N optimizer steps while the lr grows
 exponentially from `start_lr` to `end_lr`; the engine takes each step's lr from
 `Engine.lr_override` instead of the schedule. It writes into its own folder,
@@ -175,7 +175,8 @@ def lr_find(cfg: Config, *, start_lr: float = 1e-5, end_lr: float = 1.0,
     """Run the range test on every rank; rank 0 writes and prints. Returns the result
     record (also written to lr_find.json)."""
     from zerotrain.comm.dist import barrier
-    from zerotrain.train import setup, train_step
+    from zerotrain.run.loop import train_step
+    from zerotrain.run.setup import setup
 
     check_range(start_lr, end_lr, steps)
     run = setup(range_test_config(cfg, steps), resume=None)
