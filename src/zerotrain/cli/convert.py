@@ -26,7 +26,7 @@ def _parser() -> Parser:
 @command("convert")
 def main_convert(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    from zerotrain.deepspeed.checkpoint import convert
+    from zerotrain.deepspeed.convert import convert
 
     path = convert(a.from_deepspeed, a.out, a.tag)
     print(f"wrote {path}")

@@ -21,15 +21,13 @@ differs is listed in docs/from-deepspeed.md.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import torch
 
-from zerotrain.comm.dist import init_distributed as _init_distributed
-from zerotrain.comm.dist import launched_by_torchrun, world
+from zerotrain.comm.dist import world
 from zerotrain.deepspeed import accelerator, comm, zero
-from zerotrain.deepspeed import engine as _engine
+from zerotrain.deepspeed.comm import init_distributed
 from zerotrain.deepspeed.engine import DeepSpeedEngine
 from zerotrain.deepspeed_config import load_deepspeed_config, looks_like_deepspeed, read_deepspeed
 
@@ -54,29 +52,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
-
-
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True,
-                     timeout: Any = None, init_method: Any = None,
-                     dist_init_required: bool | None = None, config: Any = None,
-                     rank: int = -1, world_size: int = -1) -> None:
-    """Open the process group from torchrun's environment, if not open yet (a single
-    process without a launcher runs alone, world size 1)."""
-    if dist_init_required is False or torch.distributed.is_initialized():
-        return
-    if init_method is not None or rank != -1 or world_size != -1:
-        raise ValueError("init_distributed(init_method=, rank=, world_size=): zerotrain opens "
-                         "the group from the launcher's environment only; start the script "
-                         "with torchrun (or zerotrain train --nproc)")
-    if not launched_by_torchrun():
-        return
-    if os.environ.get("ZEROTRAIN_LAUNCHER_PID"):  # started by `zerotrain launch`
-        from zerotrain.lifecycle import die_with_parent
-
-        die_with_parent()
-    seconds = int(timeout.total_seconds()) if timeout is not None else 1800
-    _engine.OPENED_GROUP = _init_distributed("auto", dist_backend or "auto", seconds).owns_group
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

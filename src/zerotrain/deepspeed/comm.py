@@ -5,21 +5,42 @@ open (rank 0 of 1), as DeepSpeed's own give after `init_distributed` without a l
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from zerotrain.comm.dist import local_rank
+from zerotrain.comm.dist import init_distributed as _init_distributed
+from zerotrain.comm.dist import launched_by_torchrun, local_rank
+from zerotrain.deepspeed import engine
 
 __all__ = ["ReduceOp", "all_gather", "all_reduce", "barrier", "broadcast", "get_local_rank",
            "get_rank", "get_world_size", "init_distributed", "is_initialized"]
 
 
-def init_distributed(*args: Any, **kwargs: Any) -> None:
-    from zerotrain.deepspeed import init_distributed as init
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: Any = None, init_method: Any = None,
+                     dist_init_required: bool | None = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Open the process group from torchrun's environment, if not open yet (a single
+    process without a launcher runs alone, world size 1)."""
+    if dist_init_required is False or torch.distributed.is_initialized():
+        return
+    if init_method is not None or rank != -1 or world_size != -1:
+        raise ValueError("init_distributed(init_method=, rank=, world_size=): zerotrain opens "
+                         "the group from the launcher's environment only; start the script "
+                         "with torchrun (or zerotrain train --nproc)")
+    if not launched_by_torchrun():
+        return
+    if os.environ.get("ZEROTRAIN_LAUNCHER_PID"):  # started by `zerotrain launch`
+        from zerotrain.run.lifecycle import die_with_parent
 
-    init(*args, **kwargs)
+        die_with_parent()
+    seconds = int(timeout.total_seconds()) if timeout is not None else 1800
+    engine.OPENED_GROUP = _init_distributed("auto", dist_backend or "auto", seconds).owns_group
 
 
 def is_initialized() -> bool:

@@ -18,7 +18,6 @@ import atexit
 import dataclasses
 import json
 import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch import nn
 
 from zerotrain.comm.dist import local_rank
 from zerotrain.config import Config
+from zerotrain.deepspeed import zero
 from zerotrain.deepspeed.optim import (
     HYPER,
     ParamGroups,
@@ -40,8 +40,6 @@ from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
 
-#: live engines, so zero.GatheredParameters can find the engine that owns a parameter
-ENGINES: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
 #: whether zerotrain.deepspeed opened the process group (and so closes it at exit)
 OPENED_GROUP = False
 
@@ -66,7 +64,7 @@ def _close_all() -> None:
     rank still using it, gloo aborts the process at exit). The barrier first, so no rank
     tears its connections down under another's, unless this rank is dying of an error
     (the others may never get there)."""
-    for engine in list(ENGINES):
+    for engine in list(zero.ENGINES):
         engine.close()
     if OPENED_GROUP and torch.distributed.is_initialized():
         if not _UNCAUGHT:
@@ -132,14 +130,12 @@ class DeepSpeedEngine(Engine):
                                         else client_lr_scheduler)
         else:
             self.client_lr_scheduler = config_scheduler(self.param_source, config, ds)
-        from zerotrain.deepspeed.zero import take_pending
-
-        pending = take_pending(model)  # weights written under zero.GatheredParameters
+        pending = zero.take_pending(model)  # weights written under zero.GatheredParameters
         if pending:
             with self.full_parameters():
                 self.write_weights(pending)
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
-        ENGINES.add(self)
+        zero.ENGINES.add(self)
 
     def write_weights(self, values: dict[str, torch.Tensor]) -> None:
         """Make the master weights every rank keeps equal the parameters as they are now

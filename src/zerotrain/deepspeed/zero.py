@@ -24,6 +24,7 @@ writes them over the initial values; the parameters go back to the meta device.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,6 +50,10 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
         yield
 
 
+#: live engines (zerotrain.deepspeed.engine registers each), so GatheredParameters can
+#: find the engine that owns a parameter
+ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+
 def _as_list(params: Any) -> list[Tensor]:
     if params is None:
         return []
@@ -58,8 +63,6 @@ def _as_list(params: Any) -> list[Tensor]:
 
 
 def _owner(params: list[Tensor]) -> Any:
-    from zerotrain.deepspeed.engine import ENGINES
-
     ids = {id(p) for p in params}
     for engine in list(ENGINES):
         if any(id(p) in ids for p in engine.module.parameters()):
