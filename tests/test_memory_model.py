@@ -220,8 +220,9 @@ def test_checkpointing_keeps_only_block_inputs():
     inp = b * s * 64 * 4
     block = block_activation_bytes(b, s, 64, 4, act_bytes=4)
     head = head_activation_bytes(b, s, 64, 256, act_bytes=4)
-    # nothing saved inside the blocks; checkpoint() itself keeps each block's input
-    assert set(got) == {"root"} and got["root"] == 3 * inp + head
+    # nothing saved inside the blocks but their inputs (checkpoint() keeps each one; it
+    # runs inside the block's forward: models/checkpointing.py)
+    assert got == {"root": head, 0: inp, 1: inp, 2: inp}
     # peak: kept inputs + head + one block recomputed in backward (its input already kept)
     assert activation_bytes(c, b, s, act_bytes=4) == 3 * inp + head + block - inp
     assert activation_bytes(c, b, s, act_bytes=4) < activation_bytes(
