@@ -1,0 +1,211 @@
+"""Long sequences: activation checkpointing (true / offload) from the plan for any model,
+and sequence tiling of the loss head and the MLP — each equal to the plain computation,
+at ZeRO-0 and under ZeRO-3's unshard hooks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zerotrain.config import ConfigError, ModelConfig, build_config
+from zerotrain.models import plan_for
+from zerotrain.models.checkpointing import apply_checkpointing, checkpoint_mode
+from zerotrain.models.gpt import GPT
+from zerotrain.models.hf import HFCausalLM
+from zerotrain.models.llama import Llama
+from zerotrain.models.tiling import apply_tiling
+
+from multirank import run_ranks
+from zero_harness import rel_err, train_tiny
+
+TILE = 5  # does not divide the 16-token sequences: a short last tile
+
+
+def hf_llama() -> transformers.LlamaForCausalLM:
+    conf = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=40,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(conf)
+
+
+FAMILIES = {
+    "gpt": (lambda: GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)), 128),
+    "llama": (lambda: Llama(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32,
+                                        block_size=16)), 128),
+    "hf": (hf_llama, 40),
+}
+
+
+def _loss(model, x, y):
+    if isinstance(model, transformers.PreTrainedModel):
+        return model(input_ids=x, labels=y).loss
+    return model(x, y)
+
+
+def _grads(model, x, y) -> tuple[float, dict]:
+    loss = _loss(model, x, y)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+class _Widest(TorchDispatchMode):
+    """Largest leading size of any tensor an op produces whose last dim is `width`
+    (parameter-shaped tensors — weights, their gradients — aside)."""
+
+    def __init__(self, width: int, skip: set):
+        super().__init__()
+        self.width, self.rows, self.skip = width, 0, skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[-1] == self.width \
+                    and tuple(t.shape) not in self.skip:
+                self.rows = max(self.rows, t.numel() // self.width)
+        return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("ckpt", [False, True, "offload"])
+def test_tiled_and_checkpointed_equal_plain(family, ckpt):
+    """Loss and every gradient equal (fp32, 1e-6 relative); `offload`'s bookkeeping
+    (input stashed, restored for the recompute) runs on CPU with `force_stash`."""
+    make, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    plain = make().train()
+    tiled = copy.deepcopy(plain)
+    blocks = plan_for(tiled).blocks
+    assert apply_tiling(tiled, blocks, TILE) == 2  # both MLPs tiled
+    apply_checkpointing(blocks, ckpt, force_stash=True)
+    assert all(checkpoint_mode(b) == bool(ckpt) for b in blocks)
+    x, y = torch.randint(0, 256, (2, 3, 16), generator=torch.Generator().manual_seed(1))
+    la, ga = _grads(plain, x, y)
+    lb, gb = _grads(tiled, x, y)
+    assert lb == pytest.approx(la, rel=1e-6)
+    assert rel_err(gb, ga) < 1e-6
+    # the tiled model still gives logits for generation
+    with torch.no_grad():
+        out = tiled.eval()(x) if family != "hf" else tiled.eval()(input_ids=x).logits
+    assert out.shape == (3, 16, 256)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tiles_bound_the_widest_tensors(family):
+    """No [tokens × vocabulary] logits and no [tokens × intermediate] MLP activation
+    beyond one tile, in forward or backward; untiled, both span all 48 tokens."""
+    make, inter = FAMILIES[family]
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 256, (2, 3, 16), generator=torch.Generator().manual_seed(1))
+    for tile, most in ((None, 48), (TILE, TILE)):
+        model = make().train()
+        apply_tiling(model, plan_for(model).blocks, tile)
+        shapes = {s for p in model.parameters()
+                  for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+        for width in (256, inter):
+            with _Widest(width, shapes) as w:
+                _loss(model, x, y).backward()
+            assert w.rows == most, (tile, width, w.rows)
+
+
+def test_hf_wrapper_tiles_from_hidden_states():
+    """zerotrain's own HF wrapper (model.hf) takes already-shifted targets, tiled too."""
+    torch.manual_seed(0)
+    inner = hf_llama()
+    cfg = ModelConfig(hf="unused", block_size=16)
+    plain = HFCausalLM(inner, cfg, {})
+    tiled = copy.deepcopy(plain)
+    apply_tiling(tiled, plan_for(tiled).blocks, TILE)
+    x, y = torch.randint(0, 256, (2, 3, 16), generator=torch.Generator().manual_seed(1))
+    la, ga = _grads(plain, x, y)
+    lb, gb = _grads(tiled, x, y)
+    assert lb == pytest.approx(la, rel=1e-6) and rel_err(gb, ga) < 1e-6
+
+
+def test_bad_settings_are_one_config_error():
+    with pytest.raises(ConfigError, match=r"sequence\.tile_tokens"):
+        build_config({"sequence": {"tile_tokens": 0}})
+    with pytest.raises(ConfigError, match=r"model\.activation_checkpointing"):
+        build_config({"model": {"activation_checkpointing": "sometimes"}})
+    assert build_config({"model": {"activation_checkpointing": "offload"}}).model \
+        .activation_checkpointing == "offload"
+    # a model with no output head to tile
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match=r"sequence\.tile_tokens"):
+        apply_tiling(net, (), 8)
+    # an HF family that transforms its logits after the head
+    m = hf_llama()
+    m.config.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        apply_tiling(m, (), 8)
+
+
+# ----------------------------------------------------------------------------- engine
+
+def _cases(family: str) -> list[dict]:
+    """Plain, tiled + checkpointed, tiled + offloaded (forced stash on CPU); tiled alone
+    is the unit test's (test_tiled_and_checkpointed_equal_plain)."""
+    arch = {"model": {"arch": "llama"}} if family == "llama" else {}
+    ck = {"model": {**arch.get("model", {}), "activation_checkpointing": True},
+          "sequence": {"tile_tokens": TILE}}
+    return [arch, ck, {**ck, "force_stash": True}]
+
+
+def _train(stage: int, families: list[str], steps: int = 3) -> dict:
+    out = {}
+    for f in families:
+        runs = []
+        for case in _cases(f):
+            case = {**copy.deepcopy(case), "zero": {"stage": stage}}
+            force = case.pop("force_stash", False)
+
+            def probe(eng, force=force):
+                if force:  # the offload path's stash on CPU (CUDA streams aside)
+                    apply_checkpointing(eng.plan.blocks, "offload", force_stash=True)
+
+            res = train_tiny(case, steps, model_fn=hf_llama if f == "hf" else None,
+                             probe=probe)
+            runs.append({k: res[k] for k in ("losses", "norms", "params")})
+        out[f] = runs
+    return out
+
+
+def _check(runs: list[dict]) -> None:
+    ref = runs[0]
+    for r in runs[1:]:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert rel_err(r["params"], ref["params"]) < 1e-5
+
+
+def test_engine_zero0_tiled_and_checkpointed_equal_plain():
+    for runs in _train(0, sorted(FAMILIES)).values():
+        _check(runs)
+
+
+def test_engine_zero3_tiled_and_checkpointed_equal_plain():
+    """Two ranks at ZeRO-3: the recompute re-gathers the unit, the tiled head reads the
+    gathered root unit; every variant trains like the plain run of the same stage."""
+    res = run_ranks(_train, 2, 3, sorted(FAMILIES))
+    for runs in res[0].values():
+        _check(runs)
+
+
+def test_library_mode_checkpoints_any_module():
+    """`zerotrain.initialize` checkpoints the default plan's blocks of a model it does not
+    know (a raw HF GPT-2) when the config asks, and says once that offload is checkpointing
+    on a CPU."""
+    import zerotrain
+
+    conf = transformers.GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(conf)
+    eng = zerotrain.initialize(model, {"model": {"activation_checkpointing": "offload"},
+                                       "train": {"device": "cpu"}})
+    assert all(checkpoint_mode(b) for b in eng.plan.blocks) and len(eng.plan.blocks) == 2
+    x = torch.randint(0, 64, (2, 8))
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    assert eng.step() is not None
+    eng.close()
