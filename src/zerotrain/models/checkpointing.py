@@ -94,6 +94,8 @@ class HostStash:
         return x.requires_grad_(self.requires_grad)
 
 
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
 _STREAMS: dict[torch.device, Any] = {}
 
 
@@ -122,6 +124,14 @@ def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not (block.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
+        # a KV cache (Hugging Face layers get one when use_cache is on) would keep every
+        # layer's keys and values alive and grow again at each recompute: training with
+        # checkpointing runs without it, as HF's own gradient checkpointing does
+        for k in _CACHE_KWARGS:
+            if kwargs.get(k) is not None:
+                kwargs = {**kwargs, k: None}
+        if kwargs.get("use_cache"):
+            kwargs = {**kwargs, "use_cache": False}
         where = _hidden_arg(args, kwargs) if offload else None
         if where is None or not (where[1].is_cuda or force_stash):
             return checkpoint(original, *args, use_reentrant=False, **kwargs)

@@ -52,6 +52,7 @@ class _TiledLoss(torch.autograd.Function):
             z = F.linear(h[a:a + tile], weight, bias).float()
             total += F.cross_entropy(z, t[a:a + tile], ignore_index=ignore_index,
                                      reduction="sum")
+            del z
         count = (t != ignore_index).sum()
         ctx.save_for_backward(hidden, weight, bias, targets, count)
         ctx.tile, ctx.ignore_index = tile, ignore_index
@@ -64,8 +65,8 @@ class _TiledLoss(torch.autograd.Function):
         t = targets.reshape(-1)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(h) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if need_w else None
+        # accumulated in the weight's dtype, in place (no fresh [V × C] per tile)
+        gw = torch.zeros_like(weight) if need_w else None
         gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if need_b else None
         scale = grad.float() / count
@@ -80,11 +81,12 @@ class _TiledLoss(torch.autograd.Function):
             if gh is not None:
                 gh[a:a + ctx.tile] = dz @ weight
             if gw is not None:
-                gw += (dz.t() @ ht).float()
+                gw.addmm_(dz.t(), ht)
             if gb is not None:
                 gb += dz.sum(0).float()
+            del p, dz  # before the next tile's logits: one tile's [N × V] pair at a time
         return (gh.view_as(hidden) if gh is not None else None,
-                gw.to(weight.dtype) if gw is not None else None,
+                gw,
                 gb.to(bias.dtype) if gb is not None else None, None, None, None)
 
 
@@ -125,10 +127,13 @@ class _TiledMLP(torch.autograd.Function):
                 assert gx is not None
                 gx[a:a + ctx.tile] = got[0]
                 got = got[1:]
-            for i, gi in zip(want, got):
+            for i, gi in zip(want, got):  # summed in place, in the parameter's dtype
                 if gi is not None:
-                    acc[i] = acc[i] + gi.float() if i in acc else gi.float()
-        out = [acc[i].to(params[i].dtype) if i in acc else None for i in range(len(params))]
+                    if i in acc:
+                        acc[i].add_(gi)
+                    else:
+                        acc[i] = gi
+        out = [acc.get(i) for i in range(len(params))]
         return (None, None, gx.view_as(x) if gx is not None else None, *out)
 
 
