@@ -209,3 +209,94 @@ def test_library_mode_checkpoints_any_module():
     eng.backward(eng(input_ids=x, labels=x).loss)
     assert eng.step() is not None
     eng.close()
+
+
+# ----------------------------------------------------------------------------- estimator
+
+
+def measured_peak(step) -> int:
+    """Peak bytes the CPU allocator held above the start while `step()` ran, from the
+    profiler's allocation and free events (tensor accounting, not the resident set)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = top = 0
+    for e in events:
+        live += e.nbytes()
+        top = max(top, live)
+    return top
+
+
+V_EST = 1024
+SEQS = (512, 1024, 2048)
+HF_EST = {"model_type": "llama", "vocab_size": V_EST, "hidden_size": 64,
+          "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "max_position_embeddings": 2048}
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "hf"])
+@pytest.mark.parametrize("ckpt,tile", [(False, None), (True, None), (False, 64), (True, 64)])
+def test_activation_prediction_matches_measured_peaks(family, ckpt, tile):
+    """The estimator's activation peak (memory/activations.py) within 10% of the measured
+    peak of a forward + backward at three lengths (fp32, parameters' gradients already
+    allocated, as from the second step on)."""
+    from zerotrain.memory import activation_parts
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="gpt" if family == "gpt" else "llama", n_layer=2, n_head=4,
+                      n_embd=64, block_size=2048, vocab_size=V_EST,
+                      activation_checkpointing=ckpt)
+    if family == "hf":
+        conf = {k: v for k, v in HF_EST.items() if k != "model_type"}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**conf))
+    else:
+        model = GPT(cfg) if family == "gpt" else Llama(cfg)
+    blocks = plan_for(model).blocks
+    apply_checkpointing(blocks, ckpt)
+    apply_tiling(model, blocks, tile)
+    for seq in SEQS:
+        x, y = torch.randint(0, V_EST, (2, 1, seq))
+        _loss(model, x, y).backward()
+        got = measured_peak(lambda x=x, y=y: _loss(model, x, y).backward())
+        pred = activation_parts(cfg, 1, seq, act_bytes=4, tile_tokens=tile, device="cpu",
+                                hf_config=HF_EST if family == "hf" else None).peak
+        assert pred == pytest.approx(got, rel=0.10), (seq, got, pred)
+
+
+def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
+    """--max-seq: the answer fits and one token more does not; tiling and checkpointing
+    each lengthen it; offload (on CUDA) lengthens it further and says what the host holds."""
+    import json
+
+    from zerotrain.cli.estimate import main_estimate
+    from zerotrain.config import load_config
+    from zerotrain.memory import config_activations, estimate
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {arch: llama, n_layer: 8, n_head: 2, n_embd: 128, "
+                    "vocab_size: 32000, block_size: 4096}\n"
+                    "data: {micro_batch_size: 1}\nprecision: {dtype: fp32}\n")
+    cfg = load_config(str(path))
+
+    def longest(*flags: str) -> dict:
+        assert main_estimate(["--model", str(path), "--gpus", "2", "--stage", "3",
+                              "--gpu-mem", "1GiB", "--device", "cuda", "--max-seq",
+                              "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    rep = longest()
+    row = rep["rows"][0]
+    n = row["max_seq"]
+    fixed = row["device_total"] - row["activations"]  # model states + gathered unit
+    assert fixed + config_activations(cfg, 1, n, device="cuda").peak <= 2**30
+    assert fixed + config_activations(cfg, 1, n + 1, device="cuda").peak > 2**30
+    states = estimate(rep["psi"], 2, 3, precision="fp32",
+                      largest_unit=rep["largest_unit"]).device_total
+    assert fixed == states
+    tiled = longest("--tile-tokens", "512")["rows"][0]["max_seq"]
+    both = longest("--tile-tokens", "512", "--activation-checkpointing")["rows"][0]["max_seq"]
+    off = longest("--tile-tokens", "512", "--activation-checkpointing", "offload")["rows"][0]
+    assert n < tiled < both < off["max_seq"] and off["max_seq_activation_host_bytes"] > 0

@@ -55,7 +55,7 @@ from zerotrain.lifecycle import (
     restart_count,
     tensor_bytes,
 )
-from zerotrain.memory import activation_bytes, activation_dtype_bytes
+from zerotrain.memory import config_activations
 from zerotrain.models import (
     build_model,
     check_weights,
@@ -417,10 +417,8 @@ def cpu_cost_warning(cfg: Config, n_params: int) -> str | None:
 def _phase_line(run: Run) -> None:
     """Peak memory per phase against the model's prediction (rank 0's numbers)."""
     eng, c = run.engine, run.cfg
-    acts, modelled = 0, c.model.arch == "gpt" and c.model.hf is None
-    if modelled:
-        acts = activation_bytes(c.model, c.data.micro_batch_size, c.model.block_size,
-                                act_bytes=activation_dtype_bytes(c.precision.dtype))
+    # every family's activations are modelled (memory/activations.py)
+    acts, modelled = config_activations(c, device=eng.device.type).peak, True
     ph = eng.memory_phases(acts)
     run.report.record({"type": "memory_phases", "step": eng.global_step,
                        "activations_modelled": modelled, **ph})

@@ -136,7 +136,8 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
     mode = c.activation_checkpointing if checkpointing is None else checkpointing
     offload = mode == "offload" and device == "cuda"
     n, h, ab, V, L = micro_batch * seq, sh.h, act_bytes, sh.vocab, sh.n_layer
-    tiled = tile_tokens is not None and tile_tokens < n
+    tiled_head = tile_tokens is not None  # the tiled loss, even as one tile
+    tiled = tiled_head and tile_tokens < n  # the MLP runs plain when one tile holds it all
     tile = min(tile_tokens, n) if tile_tokens is not None else n
     if sh.family == "gpt":
         block = gpt_block_saved(n, h, sh.heads, sh.inter, ab, tiled_mlp=tiled)
@@ -150,8 +151,8 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
         block += 2 * n * h
         norm += n * h
     ids = 8 * 2 * n + 4  # token ids, targets, the loss
-    head_saved = norm + ids + (0 if tiled else n * V * STAT)
-    if tiled:  # one tile's logits + softmax, grad of the hidden states, head weight grad
+    head_saved = norm + ids + (0 if tiled_head else n * V * STAT)
+    if tiled_head:  # one tile's logits + softmax, grad of the hidden states, head weight grad
         head_peak = 2 * tile * V * STAT + n * h * ab + V * h * ab
     else:  # log-softmax, its gradient, the logits' gradient
         head_peak = 2 * n * V * STAT
@@ -160,6 +161,8 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
     # in attention the gradients of the output, q, k, v and the residual (GPT: and the
     # fused qkv's concatenated gradient) — measured on SDPA's flash backward
     mlp_grad = 2 * n * h * ab + 2 * tile * sh.inter * ab
+    if tiled:  # the tiled MLP's parameter gradients: the running sum and one tile's
+        mlp_grad += 2 * (2 if sh.family == "gpt" else 3) * h * sh.inter * ab
     attn_grad = (5 if sh.family == "gpt" else 3) * n * h * ab
     block_bwd = max(mlp_grad, attn_grad)
     inp = n * h * ab
@@ -167,8 +170,11 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
         kept = (0 if offload else L * inp)
         on_device = min(2, L) * inp if offload else 0
         saved = kept + on_device + head_saved + tables
+        # a tied head's gradient waits in autograd for the embedding's, to be summed
+        tied = V * h * ab if tiled_head and c.hf is None and hf_config is None \
+            and c.tie_weights else 0
         peak = max(saved + head_peak,
-                   kept + on_device + tables + block + block_bwd)
+                   kept + on_device + tables + block + block_bwd + tied)
         return Activations(saved, peak, L * inp if offload else 0)
     saved = L * block + head_saved + tables
     return Activations(saved, saved + head_peak)
