@@ -300,3 +300,108 @@ def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
     both = longest("--tile-tokens", "512", "--activation-checkpointing")["rows"][0]["max_seq"]
     off = longest("--tile-tokens", "512", "--activation-checkpointing", "offload")["rows"][0]
     assert n < tiled < both < off["max_seq"] and off["max_seq_activation_host_bytes"] > 0
+
+
+class _Recording:
+    """Stands in for CUDA's streams and events in `HostStash` (models/checkpointing.py),
+    logging the order of its calls; copies are plain CPU copies."""
+
+    def __init__(self):
+        from zerotrain.models.checkpointing import HostCopies
+
+        self.log: list[tuple] = []
+        self.copies, self.n = HostCopies(), 0
+        rec = self
+
+        class Stream:
+            def __init__(self, name):
+                self.name = name
+
+            def wait_stream(self, other):
+                rec.log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, ev):
+                rec.log.append(("wait_event", self.name, ev.id))
+
+        class Event:
+            def __init__(self):
+                rec.n += 1
+                self.id = rec.n
+
+            def record(self, stream):
+                rec.log.append(("record", stream.name, self.id))
+
+        self.Stream, self.Event = Stream, Event
+
+    def side(self, device):
+        return self.Stream("side")
+
+    def current(self, device):
+        return self.Stream("current")
+
+    def on(self, stream):
+        import contextlib
+
+        self.log.append(("on", stream.name))
+        return contextlib.nullcontext()
+
+    def event(self):
+        return self.Event()
+
+    def host_like(self, x):
+        self.log.append(("host_like",))
+        return self.copies.host_like(x)
+
+    def device_like(self, t, device):
+        self.log.append(("device_like",))
+        return self.copies.device_like(t, device)
+
+    def keep(self, t, stream):
+        self.log.append(("keep", stream.name))
+
+
+def test_offload_orders_its_copies(monkeypatch):
+    """The offload path's stream discipline, with CUDA's calls stood in for: each input
+    goes to the host on the side stream after it waited for the current one, and is
+    kept until that copy ends; in backward each comes back after its copy to the host
+    completed, the current stream waits for it before the recompute reads it, and the
+    previous block's input starts coming back before that block needs it."""
+    from zerotrain.models import checkpointing
+
+    rec = _Recording()
+    monkeypatch.setattr(checkpointing, "HOST_COPIES", rec)
+    get = checkpointing.HostStash.get
+
+    def logged_get(self):
+        rec.log.append(("get",))
+        return get(self)
+
+    monkeypatch.setattr(checkpointing.HostStash, "get", logged_get)
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(arch="llama", n_layer=3, n_head=2, n_embd=32, block_size=16))
+    plain = copy.deepcopy(model)
+    apply_checkpointing(model.blocks, "offload", force_stash=True)
+    x, y = torch.randint(0, 256, (2, 2, 16))
+    _, ga = _grads(plain, x, y)
+    n_fwd = len(rec.log)
+    _, gb = _grads(model, x, y)
+    assert rel_err(gb, ga) < 1e-6
+    log = rec.log[n_fwd:]
+    # forward, per block: side waits for current, the copy on side, x kept, event recorded
+    fwd = [e for e in log if e[0] in ("wait_stream", "host_like", "on", "keep")][:12]
+    assert fwd == [("wait_stream", "side", "current"), ("host_like",), ("on", "side"),
+                   ("keep", "side")] * 3
+    d2h = [e[2] for e in log if e[0] == "record"][:3]  # each block's copy-to-host event
+    rest = log[log.index(("record", "side", d2h[-1])) + 1:]
+    # backward: block 2 fetched on demand, then 1 and 0 prefetched by their successor
+    waits_side = [e[2] for e in rest if e[:2] == ("wait_event", "side")]
+    assert waits_side == d2h[::-1]  # each copy back waits for its own copy to the host
+    h2d = [e[2] for e in rest if e[0] == "record"]
+    consumed = [e[2] for e in rest if e[:2] == ("wait_event", "current")]
+    assert consumed == h2d  # the recompute waits for exactly the copy that brought it
+    # block i-1's copy back is queued as soon as block i has its input (before block
+    # i-1 asks for its own): its wait on side comes right after block i's current wait
+    for i in range(2):
+        at = rest.index(("wait_event", "current", consumed[i]))
+        assert rest[at + 1:at + 4] == [("device_like",), ("on", "side"),
+                                       ("wait_event", "side", d2h[1 - i])]

@@ -14,6 +14,7 @@ from zerotrain.cli.args import Parser, UsageError, command
 SECTIONS = {
     "model": "family (gpt, llama, preset, Hugging Face folder), sizes, init weights",
     "data": "corpus, validation split, micro-batch and accumulation",
+    "sequence": "long sequences: loss and MLP computed in tiles of N tokens",
     "optimizer": "update rule and its hyperparameters, gradient clipping",
     "schedule": "learning rate: warmup, hold, decay, floor",
     "precision": "fp32, bf16 or fp16 compute; loss scaling",

@@ -18,6 +18,7 @@ equals `true` (the engine says so once).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,61 +32,113 @@ Mode = bool | str
 _WRAPPED = "_zerotrain_checkpoint"  # marks a forward this module installed
 
 
+class CudaCopies:
+    """The CUDA calls `HostStash` makes, in one place (a test stands in for them)."""
+
+    def side(self, device: torch.device) -> Any:
+        if device not in _STREAMS:
+            _STREAMS[device] = torch.cuda.Stream(device)
+        return _STREAMS[device]
+
+    def current(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def host_like(self, x: Tensor) -> Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+
+    def device_like(self, t: Tensor, device: torch.device) -> Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    def keep(self, t: Tensor, stream: Any) -> None:
+        """`t`'s memory is not reused before the work queued on `stream` is done."""
+        t.record_stream(stream)
+
+
+class _NoStream:
+    def wait_stream(self, other: Any) -> None: ...
+    def wait_event(self, event: Any) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
+
+
+class HostCopies(CudaCopies):
+    """Off CUDA: plain copies, no streams (a CPU test of the stash's bookkeeping)."""
+
+    def side(self, device: torch.device) -> Any:
+        return _NoStream()
+
+    def current(self, device: torch.device) -> Any:
+        return _NoStream()
+
+    def on(self, stream: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def event(self) -> Any:
+        return _NoStream()
+
+    def host_like(self, x: Tensor) -> Tensor:
+        return torch.empty(x.shape, dtype=x.dtype)
+
+    def device_like(self, t: Tensor, device: torch.device) -> Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    def keep(self, t: Tensor, stream: Any) -> None: ...
+
+
 class HostStash:
     """One block input kept off the device between forward and its recompute.
 
-    CUDA: pinned host copy made on a side stream (the block's forward does not wait for
-    it); the device tensor is freed once the copy is done (`record_stream`). `get()`
-    returns the original tensor the first time (forward) and a device copy the second
-    (recompute), then starts bringing back the previous block's input. Elsewhere (a CPU
-    test of the bookkeeping) the "host" copy is a clone.
+    The copy to (pinned) host memory is queued on a side stream after the work that
+    made the input, so the block's forward does not wait for it; the device tensor's
+    memory is released once the copy is done (`keep`). `get()` returns the original
+    tensor the first time (forward), and a device copy the second (recompute), after the
+    current stream waited for that copy; it then starts bringing back the previous
+    block's input, which arrives while this block recomputes and runs backward.
     """
 
     _last: HostStash | None = None  # the latest stash of the running forward
 
-    def __init__(self, x: Tensor):
-        self.first: Tensor | None = x
+    def __init__(self, x: Tensor, rt: CudaCopies):
+        self.rt, self.first, self.device = rt, x, x.device
         # the recompute must see an input like the original: autograd saves what an op
         # needs for the inputs that require grad, and checkpoint checks the counts match
         self.requires_grad = x.requires_grad
-        self.device, self.cuda = x.device, x.device.type == "cuda"
         self.prev, HostStash._last = HostStash._last, self
         self.dev: Tensor | None = None
         self.done = False
-        if self.cuda:
-            self.stream = side_stream(x.device)
-            self.stream.wait_stream(torch.cuda.current_stream(x.device))
-            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            with torch.cuda.stream(self.stream):
-                self.host.copy_(x, non_blocking=True)
-            x.record_stream(self.stream)  # x's memory is not reused before the copy ends
-            self.ready = torch.cuda.Event()
-            self.ready.record(self.stream)
-        else:
-            self.host = x.detach().clone()
+        self.stream = rt.side(x.device)
+        self.stream.wait_stream(rt.current(x.device))  # x is written before it is read
+        self.host: Tensor | None = rt.host_like(x)
+        with rt.on(self.stream):
+            self.host.copy_(x, non_blocking=True)
+        rt.keep(x, self.stream)
+        self.ready = rt.event()
+        self.ready.record(self.stream)
 
     def fetch(self) -> None:
         """Start the copy back to the device (idempotent; a no-op once consumed)."""
         if self.done or self.dev is not None:
             return
-        if not self.cuda:
-            self.dev = self.host.clone()
-            return
-        self.dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.ready)
+        assert self.host is not None
+        self.dev = self.rt.device_like(self.host, self.device)
+        with self.rt.on(self.stream):
+            self.stream.wait_event(self.ready)  # the copy to the host is complete
             self.dev.copy_(self.host, non_blocking=True)
-            self.ready = torch.cuda.Event()
+            self.ready = self.rt.event()
             self.ready.record(self.stream)
-        self.dev.record_stream(self.stream)
+        self.rt.keep(self.dev, self.stream)
 
     def get(self) -> Tensor:
         if self.first is not None:  # the forward itself
             x, self.first = self.first, None
             return x
         self.fetch()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
+        self.rt.current(self.device).wait_event(self.ready)
         x, self.dev, self.host, self.done = self.dev, None, None, True
         prev, self.prev = self.prev, None
         if prev is not None:  # overlap: the previous block's input comes back meanwhile
@@ -97,12 +150,9 @@ class HostStash:
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 _STREAMS: dict[torch.device, Any] = {}
-
-
-def side_stream(device: torch.device) -> Any:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+#: the copies HostStash makes on CUDA, and (tests) elsewhere
+CUDA_COPIES: CudaCopies = CudaCopies()
+HOST_COPIES: CudaCopies = HostCopies()
 
 
 def _hidden_arg(args: tuple, kwargs: dict) -> tuple[str | int, Tensor] | None:
@@ -136,7 +186,8 @@ def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload
         if where is None or not (where[1].is_cuda or force_stash):
             return checkpoint(original, *args, use_reentrant=False, **kwargs)
         key, x = where
-        stash = HostStash(x)  # the checkpoint keeps the stash, not the device tensor
+        # the checkpoint keeps the stash, not the device tensor
+        stash = HostStash(x, CUDA_COPIES if x.is_cuda else HOST_COPIES)
 
         def run(*a: Any, **k: Any) -> Any:
             if key == 0:

@@ -234,6 +234,7 @@ def _wrap_hf_forward(model: nn.Module, tile: int | None) -> None:
 
         for k in ("logits_to_keep", "num_items_in_batch", "return_dict"):
             kwargs.pop(k, None)
+        kwargs.setdefault("use_cache", False)  # a loss needs no KV cache; it would hold k, v
         out = hf_hidden_states(model, *args, return_dict=True, **kwargs)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = tiled_lm_loss(out.last_hidden_state, head, targets, tile)
