@@ -405,3 +405,26 @@ def test_offload_orders_its_copies(monkeypatch):
         at = rest.index(("wait_event", "current", consumed[i]))
         assert rest[at + 1:at + 4] == [("device_like",), ("on", "side"),
                                        ("wait_event", "side", d2h[1 - i])]
+
+
+def test_train_run_with_tiles_and_checkpointing_equals_plain(tmp_path):
+    """`zerotrain train` with sequence.tile_tokens and model.activation_checkpointing:
+    the same losses as the plain run, and the per-phase line models the activations."""
+    import json
+
+    from zerotrain.train import train
+
+    from zero_harness import run_config, train_losses
+
+    plain = run_config(tmp_path, "plain", 3, model={"arch": "llama"})
+    long = run_config(tmp_path, "long", 3, model={"arch": "llama",
+                                                 "activation_checkpointing": True},
+                      sequence={"tile_tokens": 24})
+    train(plain)
+    train(long)
+    a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "long")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
+    recs = [json.loads(x) for x in (tmp_path / "long" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert any(r["type"] == "memory_phases" and r["activations_modelled"] for r in recs)
