@@ -103,10 +103,16 @@ class _TiledMLP(torch.autograd.Function):
     def forward(ctx: Any, fn: Callable[[Tensor], Tensor], tile: int, x: Tensor,
                 *params: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        outs = [fn(flat[a:a + tile]) for a in _tiles(flat.shape[0], tile)]
+        out: Tensor | None = None
+        for a in _tiles(flat.shape[0], tile):  # written in place: no list of tiles to cat
+            y = fn(flat[a:a + tile])
+            if out is None:
+                out = y.new_empty(flat.shape[0], y.shape[-1])
+            out[a:a + tile] = y
         ctx.fn, ctx.tile = fn, tile
         ctx.save_for_backward(x)
-        return torch.cat(outs).view(*x.shape[:-1], -1)
+        assert out is not None
+        return out.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
