@@ -40,6 +40,7 @@ from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
 from zerotrain.models import Group, Plan, plan_for
+from zerotrain.models.tiling import apply_long_sequence
 from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32
@@ -119,6 +120,11 @@ class Engine(DeepSpeedAPI):
         )
         if weights is not None:
             self.strategy.load_weights(weights)
+        # long sequences: checkpointing of the plan's blocks, tiles of the head and MLP
+        note = apply_long_sequence(model, self.plan.blocks, config.model.activation_checkpointing,
+                                   config.sequence.tile_tokens, self.device)
+        if note and self.rank == 0:
+            print(note, flush=True)
         # FP8 layers share the parameters the strategy just laid out (nothing moves); their
         # amax-history buffers are made on the device
         self.fp8 = convert_to_fp8(model, self.plan, config.precision.fp8) \

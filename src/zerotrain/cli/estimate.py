@@ -27,10 +27,10 @@ from zerotrain.memory import (
     PRECISIONS,
     BytesPerParam,
     MemoryEstimate,
-    activation_bytes,
-    activation_dtype_bytes,
     bytes_per_param,
+    config_activations,
     max_params,
+    max_seq,
     model_state_bytes,
     muon_state_bytes,
     phase_estimates,
@@ -78,8 +78,16 @@ def _build_parser() -> Parser:
                    help="sequences per rank (--model; default: data.micro_batch_size)")
     p.add_argument("--seq", metavar="S", type=int,
                    help="sequence length (--model; default: model.block_size)")
-    p.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="keep only block inputs (--model; default from the config)")
+    p.add_argument("--activation-checkpointing", metavar="MODE", nargs="?", const=True,
+                   type=_ckpt_mode, default=None,
+                   help="true (alone: the flag), false or offload: keep only block inputs, "
+                   "offload: in host memory (--model; default from the config)")
+    p.add_argument("--tile-tokens", metavar="N", type=int, default=None,
+                   help="sequence tiling of the loss and MLP, N tokens per tile (--model; "
+                   "default: the config's sequence.tile_tokens)")
+    p.add_argument("--max-seq", action="store_true",
+                   help="longest sequence per stage that fits in --gpu-mem (--model; "
+                   "activations at that length, model states as configured)")
     p.add_argument("--max-params", action="store_true",
                    help="largest Ψ per stage that fits in --gpu-mem (and --host-mem)")
     p.add_argument("--bandwidth", metavar="GB/S", type=finite_float,
@@ -94,6 +102,13 @@ def _build_parser() -> Parser:
     p.add_argument("--plot", metavar="FILE",
                    help="stacked bar chart of device memory per stage (.png, .pdf, .svg, ...)")
     return p
+
+
+def _ckpt_mode(v: str) -> bool | str:
+    modes: dict[str, bool | str] = {"true": True, "false": False, "offload": "offload"}
+    if v.lower() not in modes:
+        raise argparse.ArgumentTypeError(f"'{v}' is not true, false or offload")
+    return modes[v.lower()]
 
 
 def training_refuses(optimizer: str, stage: int, offload: bool) -> str | None:
@@ -120,9 +135,10 @@ def _load_model_config(args: argparse.Namespace) -> Config | None:
         cfg = load_config(args.model)  # sizes of a preset / model.hf / the tokenizer's vocab
         return cfg.model_copy(update={"model": planned_model_config(cfg.model,
                                                                     cfg.data.tokenizer)})
-    if args.micro_batch or args.seq or args.activation_checkpointing:
-        raise UsageError("--micro-batch/--seq/--activation-checkpointing need --model "
-                         "(activations depend on the model's shape)")
+    if (args.micro_batch or args.seq or args.activation_checkpointing is not None
+            or args.tile_tokens is not None or args.max_seq):
+        raise UsageError("--micro-batch/--seq/--activation-checkpointing/--tile-tokens/"
+                         "--max-seq need --model (activations depend on the model's shape)")
     return None
 
 
@@ -185,10 +201,14 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
         raise UsageError(f"--micro-batch must be >= 1 and --seq in 1..{mc.block_size} "
                          f"(model.block_size); got {b} and {seq}")
     ckpt = pick(args.activation_checkpointing, lambda: mc.activation_checkpointing, False)
+    tile = pick(args.tile_tokens, lambda: cfg.sequence.tile_tokens, None)
+    if tile is not None and tile < 1:
+        raise UsageError(f"--tile-tokens must be >= 1, got {tile}")
     psi, largest = model_size(mc)
     # the config as the flags change it, for the per-phase peaks (`predict_peaks`)
     run_cfg = cfg.model_copy(update={
         "model": mc.model_copy(update={"activation_checkpointing": ckpt}),
+        "sequence": cfg.sequence.model_copy(update={"tile_tokens": tile}),
         "precision": cfg.precision.model_copy(update={
             "dtype": precision, "grad_accum_dtype": pick(
                 args.grad_dtype, lambda: cfg.precision.grad_accum_dtype, "fp32")}),
@@ -199,17 +219,18 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    acts = config_activations(run_cfg, b, seq, device=args.device)
     return dict(psi=psi, largest_unit=largest, micro_batch=b, config=run_cfg,
-                device=args.device, seq=seq, activation_checkpointing=ckpt,
-                activations=activation_bytes(mc, b, seq, checkpointing=ckpt,
-                                             act_bytes=activation_dtype_bytes(precision)))
+                device=args.device, seq=seq, activation_checkpointing=ckpt, tile_tokens=tile,
+                activations=acts.peak, activations_saved=acts.saved,
+                activations_host=acts.host)
 
 
 def _limits(args: argparse.Namespace) -> dict:
     gpu = parse_size(args.gpu_mem, "--gpu-mem", bare_unit="GB") if args.gpu_mem else None
     host = parse_size(args.host_mem, "--host-mem", bare_unit="GB") if args.host_mem else None
-    if args.max_params and gpu is None:
-        raise UsageError("--max-params needs --gpu-mem (the limit to fit under)")
+    if (args.max_params or args.max_seq) and gpu is None:
+        raise UsageError("--max-params/--max-seq need --gpu-mem (the limit to fit under)")
     if args.bandwidth is not None and (args.bandwidth <= 0 or args.latency < 0):
         raise UsageError("--bandwidth must be > 0 GB/s and --latency >= 0 µs")
     binary = (gpu or host).binary if (gpu or host) else False
@@ -268,6 +289,22 @@ def _largest(s: dict, stage: int, offload: bool) -> dict:
     return {"max_params": mp, "max_params_host_bytes": host}
 
 
+def _longest(s: dict, stage: int, offload: bool) -> dict:
+    """The longest sequence whose activations fit beside this row's model states in
+    --gpu-mem (the inverse of the activation model, like --max-params for Ψ)."""
+    def at(seq: int) -> MemoryEstimate:
+        acts = config_activations(s["config"], s["micro_batch"], seq, device=s["device"])
+        return _row({**s, "activations": acts.peak}, stage, offload)
+
+    longest = max_seq(lambda seq: _fits(s, at(seq))[0] is not False)
+    host = at(longest).host_total if longest else 0
+    acts = config_activations(s["config"], s["micro_batch"], longest, device=s["device"]) \
+        if longest else None
+    return {"max_seq": longest, "max_seq_tokens": longest * s["micro_batch"],
+            "max_seq_activation_host_bytes": acts.host if acts else 0,
+            "max_seq_host_bytes": host}
+
+
 def _report(s: dict, rows: list[tuple[str, int, bool]], args: argparse.Namespace) -> dict:
     bpp = s["bytes_per_param"]
     out: dict = dict(s)
@@ -292,6 +329,8 @@ def _report(s: dict, rows: list[tuple[str, int, bool]], args: argparse.Namespace
             r["traffic"]["time_s"] = tr.time_s(args.bandwidth, args.latency)
         if args.max_params:
             r.update(_largest(s, stage, off))
+        if args.max_seq:
+            r.update(_longest(s, stage, off))
         if "config" in s:
             r["peaks"] = predict_peaks(s["config"], s["world_size"], stage, off,
                                        device=s["device"], micro_batch=s["micro_batch"],
@@ -337,9 +376,7 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
     own = sum(shard_numel(n, world) for n in numels) if stage else sum(numels)
     compiled = cfg.optimizer.name in ("adam", "adamw") and resolve_compile(
         cfg.optimizer.compile, [{"params": [torch.empty(own, device="meta")]}])
-    act = activation_bytes(cfg.model, micro_batch or cfg.data.micro_batch_size,
-                           seq or cfg.model.block_size,
-                           act_bytes=activation_dtype_bytes(cfg.precision.dtype))
+    act = config_activations(cfg, micro_batch, seq, device=device).peak
     cpu = device == "cpu"
     widest = max(p.numel() for _, p, _ in named)
     phases = phase_estimates(

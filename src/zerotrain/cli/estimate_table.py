@@ -54,8 +54,17 @@ def _head(rep: dict, unit: tuple[str, int]) -> list[str]:
         f"memory per rank in {unit_words(unit)}" + "".join(f"; {x}" for x in limits),
     ]
     if rep["activations"]:
+        mode = rep["activation_checkpointing"]
+        how = [" checkpointed, block inputs offloaded to host" if mode == "offload"
+               else " checkpointed" if mode else "",
+               f" tiles of {rep['tile_tokens']} tokens" if rep.get("tile_tokens") else ""]
+        how = [x for x in how if x]
         lines.append(f"activations: micro-batch {rep['micro_batch']} × seq {rep['seq']}"
-                     f"{' (checkpointed)' if rep['activation_checkpointing'] else ''}")
+                     + (f" ({','.join(how)[1:]})" if how else "")
+                     + f": peak {rep['activations'] / unit[1]:.2f} {unit[0]}, saved "
+                     f"{rep['activations_saved'] / unit[1]:.2f}"
+                     + (f", host {rep['activations_host'] / unit[1]:.2f}"
+                        if rep.get("activations_host") else ""))
     return lines
 
 
@@ -114,6 +123,17 @@ def _largest_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
     return lines
 
 
+def _longest_lines(rep: dict) -> list[str]:
+    binary = rep["unit"] == "GiB"
+    lines = ["", f"longest sequence that fits in {_limit(rep['gpu_mem'], binary)} per device "
+                 f"(micro-batch {rep['micro_batch']}; model states as configured):"]
+    for r in rep["rows"]:
+        n = r["max_seq"]
+        lines.append(f"  {r['label']:<15} " + (f"{n:,} tokens" if n else
+                                                 "nothing fits (model states exceed the limit)"))
+    return lines
+
+
 def _peak_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
     """--model: each row's predicted init and steady peak per rank (`predict_peaks`)."""
     rows = [r for r in rep["rows"] if "peaks" in r]
@@ -160,6 +180,8 @@ def format_table(rep: dict) -> str:
     lines += _peak_lines(rep, unit)
     if rep["rows"] and "max_params" in rep["rows"][0]:
         lines += _largest_lines(rep, unit)
+    if rep["rows"] and "max_seq" in rep["rows"][0]:
+        lines += _longest_lines(rep)
     return "\n".join(lines)
 
 

@@ -20,7 +20,12 @@ from zerotrain.config.load import (
     parse_overrides,
     read_config_file,
 )
-from zerotrain.config.model import DataConfig, ModelConfig, llama_intermediate_size
+from zerotrain.config.model import (
+    DataConfig,
+    ModelConfig,
+    SequenceConfig,
+    llama_intermediate_size,
+)
 from zerotrain.config.run import (
     CheckpointConfig,
     CommConfig,
@@ -44,7 +49,7 @@ from zerotrain.config.tree import Config, idle_settings
 __all__ = [
     "LIBRARY_DEFAULTS", "CheckpointConfig", "CommConfig", "Config", "ConfigError",
     "DataConfig", "FP8Config", "FaultConfig", "LoggingConfig", "LossScaleConfig", "ModelConfig",
-    "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig",
+    "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig", "SequenceConfig",
     "SpikeGuardConfig", "TrainConfig", "WandbConfig", "ZeroConfig", "build_config",
     "deep_merge", "idle_settings", "llama_intermediate_size", "load_config",
     "parse_overrides", "read_config_file",

@@ -61,7 +61,17 @@ class ModelConfig(_Section):
     rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary base wavelength")
     norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of the normalisation layers")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | Literal["offload"] = Field(
+        False, description="recompute each block (the plan's units) in backward instead of "
+        "keeping its activations: false | true | offload (also keep each block's input in "
+        "pinned host memory; on a CPU the same as true)")
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, v: Any) -> Any:
+        if v in (False, True, "offload"):
+            return v
+        raise ValueError(f"model.activation_checkpointing is false, true or offload, got {v!r}")
 
     @model_validator(mode="before")
     @classmethod
@@ -152,3 +162,11 @@ class DataConfig(_Section):
         return v
 
 
+class SequenceConfig(_Section):
+    """How a long sequence is cut: tiles of the loss head and the MLP (models/tiling.py)."""
+
+    tile_tokens: int | None = Field(
+        None, ge=1, description="compute the loss (through the output head) and the MLP this "
+        "many tokens at a time, recomputing each tile in backward: the [tokens x vocabulary] "
+        "logits and the [tokens x intermediate] MLP activations never exist in full; null: "
+        "untiled")

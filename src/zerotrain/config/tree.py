@@ -10,7 +10,7 @@ from pydantic import (
 )
 
 from zerotrain.config.base import _Section
-from zerotrain.config.model import DataConfig, ModelConfig
+from zerotrain.config.model import DataConfig, ModelConfig, SequenceConfig
 from zerotrain.config.run import (
     CheckpointConfig,
     CommConfig,
@@ -29,6 +29,7 @@ from zerotrain.config.training import (
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    sequence: SequenceConfig = Field(default_factory=SequenceConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)

@@ -73,7 +73,8 @@ IGNORED: dict[str, str] = {
     "gradient_predivide_factor": _SAME_MATH,
     "dataloader_drop_last": "zerotrain's sampler draws whole windows",
     "activation_checkpointing": "configures deepspeed.checkpointing, which a model calls "
-                                "itself; zerotrain's GPT has model.activation_checkpointing",
+                                "itself; zerotrain checkpoints any model's blocks with "
+                                "model.activation_checkpointing (true or offload)",
     "checkpoint": "DeepSpeed's checkpoint I/O options; zerotrain writes its own atomic format",
     "aio": "NVMe I/O settings; zerotrain does not offload to NVMe",
     "comms_logger": "zerotrain logs bytes sent per step (bytes_sent) always",

@@ -3,7 +3,8 @@
 - `states`: model-state bytes per rank for each ZeRO stage (the ZeRO table), the inverse
   question (the largest model that fits).
 - `traffic`: bytes each rank sends per step, and α–β time.
-- `activations`: the reference GPT's saved activations.
+- `activations`: saved and peak activations of GPT, llama and HF models, checkpointed,
+  offloaded and tiled.
 - `phases`: peak memory per phase of a run (init, forward, backward, step, save).
 - `measure`: what the process holds, and peaks per phase measured from the live run.
 
@@ -12,9 +13,13 @@ engine's measured audit is held against them in the tests. GB = 10^9 bytes.
 """
 
 from zerotrain.memory.activations import (
+    Activations,
     activation_bytes,
+    activation_parts,
     block_activation_bytes,
+    config_activations,
     head_activation_bytes,
+    max_seq,
 )
 from zerotrain.memory.measure import (
     PhasePeaks,
@@ -56,12 +61,13 @@ from zerotrain.memory.traffic import (
 )
 
 __all__ = [
-    "COMPILE_RUNTIME_BYTES", "CPU_BASELINE_BYTES", "CPU_RETENTION",
-    "FIELDS", "PHASES", "PRECISIONS", "BytesPerParam", "CollectiveCost", "MemoryEstimate",
-    "PhasePeaks", "Traffic", "activation_bytes", "activation_dtype_bytes",
-    "block_activation_bytes", "bucket_pool_numel", "bytes_per_param", "collective_cost", "estimate",
-    "head_activation_bytes", "max_params", "measured_process_memory", "model_state_bytes",
-    "model_state_bytes_from_buffers", "muon_mean_traffic", "muon_state_bytes", "muon_traffic",
-    "phase_estimates", "precision_bytes", "proc_status",
-    "reset_peak_rss", "shard_numel", "steady_peak", "traffic_per_step",
+    "COMPILE_RUNTIME_BYTES", "CPU_BASELINE_BYTES", "CPU_RETENTION", "FIELDS", "PHASES",
+    "PRECISIONS", "Activations", "BytesPerParam", "CollectiveCost", "MemoryEstimate",
+    "PhasePeaks", "Traffic", "activation_bytes", "activation_dtype_bytes", "activation_parts",
+    "block_activation_bytes", "bucket_pool_numel", "bytes_per_param", "collective_cost",
+    "config_activations", "estimate", "head_activation_bytes", "max_params", "max_seq",
+    "measured_process_memory", "model_state_bytes", "model_state_bytes_from_buffers",
+    "muon_mean_traffic", "muon_state_bytes", "muon_traffic", "phase_estimates",
+    "precision_bytes", "proc_status", "reset_peak_rss", "shard_numel", "steady_peak",
+    "traffic_per_step",
 ]

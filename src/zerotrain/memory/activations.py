@@ -1,10 +1,40 @@
-"""Saved activations of the reference GPT's forward, counted from its ops."""
+"""Activations of a training step, per rank, counted from the ops of each model family.
+
+Two numbers matter: what autograd *saves* in forward (held until backward frees it), and
+the step's *peak*, which adds the transients of backward at its widest moment. Both are
+counted for the reference GPT, llama and Hugging Face causal LMs (llama-style ones by the
+llama count, GPT-2-style ones by the GPT count), with `model.activation_checkpointing`
+off, on or `offload`, and with sequence tiling (`sequence.tile_tokens`).
+
+n = micro_batch × seq tokens, h the width, I the MLP width, V the vocabulary, ab the
+activation dtype's bytes (the engine casts the model: every activation has it); norm
+statistics, attention's log-sum-exp and the loss are fp32.
+
+- **blocks**: `gpt_block_saved` / `llama_block_saved` (each term named in its docstring).
+  A tiled MLP saves only its input (already saved for the block's norm), not its
+  `[n × I]` intermediates.
+- **head**: the final norm, and untiled the fp32 log-softmax `[n × V]`; at backward's
+  start its gradient and the logits' gradient join it (3·n·V·4 at once — the largest
+  transient of a long-sequence step). Tiled: one tile's logits and softmax (2·N·V·4),
+  the hidden states' gradient (n·h) and the head weight's accumulated gradient (V·h).
+- **checkpointing**: every block keeps only its input (n·h), and backward recomputes one
+  block at a time: that block's saved activations plus its gradients in flight.
+  `offload` moves the kept inputs to pinned host memory (`host`); on CUDA at most two are
+  on the device at once (the one recomputing, the one coming back). On a CPU the host
+  is the device: offload counts as checkpointing.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from zerotrain.config import ModelConfig
 
-# ----------------------------------------------------------------------------- activations
+STAT = 4  # fp32 statistics, log-sum-exp, loss
+
+
+# ----------------------------------------------------------------------------- blocks
 
 
 def block_activation_bytes(b: int, s: int, h: int, a: int, *, mlp_ratio: int = 4,
@@ -17,38 +47,169 @@ def block_activation_bytes(b: int, s: int, h: int, a: int, *, mlp_ratio: int = 4
     mean and rstd of both LayerNorms (4·b·s) and SDPA's logsumexp (a·b·s), both fp32.
     Assumes a memory-efficient SDPA kernel (flash on CPU/CUDA): no s×s matrix is stored.
     """
-    bsh = b * s * h
-    return (8 + 2 * mlp_ratio) * bsh * act_bytes + (4 * b * s + a * b * s) * stat_bytes
+    return gpt_block_saved(b * s, h, a, mlp_ratio * h, act_bytes, stat_bytes=stat_bytes)
+
+
+def gpt_block_saved(n: int, h: int, a: int, inter: int, ab: int, *, tiled_mlp: bool = False,
+                    stat_bytes: int = STAT) -> int:
+    """The GPT block's saved bytes (`block_activation_bytes`); a tiled MLP drops its two
+    `[n × I]` tensors (fc out, GELU out)."""
+    mlp = 0 if tiled_mlp else 2 * n * inter
+    return (8 * n * h + mlp) * ab + (4 * n + a * n) * stat_bytes
+
+
+def llama_block_saved(n: int, h: int, a: int, inter: int, ab: int, *,
+                      tiled_mlp: bool = False) -> int:
+    """Bytes one llama block saves (counted op by op, held to the saved tensors in the
+    tests). Each RMSNorm: its input in fp32 (the input itself when fp32, else an fp32
+    copy), rstd (n fp32), the normalised fp32·→ab product and the gained output (2·n·h·ab).
+    Attention: rotated q and k and v (GQA's repeated k, v are n·h each, like full heads;
+    rotary multiplies by tables that need no gradient, so the unrotated q, k are not
+    kept), SDPA's output (also the o projection's input) and log-sum-exp (a·n fp32).
+    SwiGLU: gate out, SiLU out, up out and their product (4·n·I), none when tiled.
+    """
+    norm = n * h * STAT + n * STAT + 2 * n * h * ab
+    attn = 4 * n * h * ab + a * n * STAT
+    mlp = 0 if tiled_mlp else 4 * n * inter * ab
+    return 2 * norm + attn + mlp
+
+
+# ----------------------------------------------------------------------------- head
 
 
 def head_activation_bytes(b: int, s: int, h: int, vocab: int, *, act_bytes: int = 2,
                           stat_bytes: int = 4) -> int:
-    """Outside the blocks: ln_f input and output, fp32 log-probs (the loss is fp32 whatever
-    the dtype), int64 token ids (embedding, targets) and positions, the loss's weight scalar."""
+    """Outside the GPT's blocks: ln_f input and output, fp32 log-probs (the loss is fp32
+    whatever the dtype), int64 token ids (embedding, targets) and positions, the loss's
+    weight scalar."""
     return 2 * b * s * h * act_bytes + 2 * b * s * stat_bytes + b * s * vocab * 4 \
         + 8 * (2 * b * s + s) + 4
 
 
-def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
-                     act_bytes: int = 2, checkpointing: bool | None = None) -> int:
-    """Saved activations of a GPT forward at their peak (before backward frees them).
+@dataclass
+class Activations:
+    """Bytes per rank: `saved` at the end of forward, the step's `peak` on the device
+    (saved + backward's widest transient), `host` (offloaded block inputs)."""
 
-    Checkpointing keeps only each block's input, and recomputes one block at a time in
-    backward, which briefly holds that block's full activations again. Dropout > 0 adds
-    one 1-byte mask per dropout (CUDA's fused kernel; CPU keeps a full-dtype noise tensor).
-    """
+    saved: int
+    peak: int
+    host: int = 0
+
+
+@dataclass
+class _Shape:
+    family: str  # "gpt" | "llama"
+    n_layer: int
+    h: int
+    heads: int
+    inter: int
+    vocab: int
+
+
+def _shape(c: ModelConfig, hf_config: dict[str, Any] | None = None) -> _Shape:
+    """The sizes that set activations; a Hugging Face config by its own fields."""
+    if c.hf is not None or hf_config is not None:
+        if hf_config is None:
+            from zerotrain.models.presets import read_hf_config
+
+            hf_config = read_hf_config(c.hf)  # type: ignore[arg-type]
+        raw = hf_config
+        h = raw.get("hidden_size") or raw.get("n_embd") or c.n_embd
+        gpt2 = raw.get("model_type") == "gpt2" or "n_inner" in raw
+        inter = (raw.get("n_inner") or 4 * h) if gpt2 else raw.get("intermediate_size")
+        return _Shape("gpt" if gpt2 else "llama",
+                      raw.get("num_hidden_layers") or raw.get("n_layer") or c.n_layer,
+                      h, raw.get("num_attention_heads") or raw.get("n_head") or c.n_head,
+                      inter or 4 * h, raw.get("vocab_size") or c.vocab_size)
+    assert c.n_layer and c.n_embd and c.n_head
+    inter = c.intermediate_size or c.mlp_ratio * c.n_embd
+    return _Shape(c.arch or "gpt", c.n_layer, c.n_embd, c.n_head, inter, c.vocab_size)
+
+
+def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
+                     act_bytes: int = 2, checkpointing: bool | str | None = None,
+                     tile_tokens: int | None = None, device: str = "cuda",
+                     hf_config: dict[str, Any] | None = None) -> Activations:
+    """Saved, peak and host activation bytes of one rank's training step (module doc)."""
     c = model_cfg
-    ckpt = c.activation_checkpointing if checkpointing is None else checkpointing
-    b, s, h = micro_batch, seq, c.n_embd
-    block = block_activation_bytes(b, s, h, c.n_head, mlp_ratio=c.mlp_ratio,
-                                   act_bytes=act_bytes)
-    if c.dropout > 0:
-        block += 2 * b * s * h
-    head = head_activation_bytes(b, s, h, c.vocab_size, act_bytes=act_bytes) \
-        + (b * s * h if c.dropout > 0 else 0)
-    if ckpt:
-        inp = b * s * h * act_bytes
-        return c.n_layer * inp + (block - inp) + head
-    return c.n_layer * block + head
+    sh = _shape(c, hf_config)
+    mode = c.activation_checkpointing if checkpointing is None else checkpointing
+    offload = mode == "offload" and device == "cuda"
+    n, h, ab, V, L = micro_batch * seq, sh.h, act_bytes, sh.vocab, sh.n_layer
+    tiled_head = tile_tokens is not None  # the tiled loss, even as one tile
+    tiled = tiled_head and tile_tokens < n  # the MLP runs plain when one tile holds it all
+    tile = min(tile_tokens, n) if tile_tokens is not None else n
+    if sh.family == "gpt":
+        block = gpt_block_saved(n, h, sh.heads, sh.inter, ab, tiled_mlp=tiled)
+        norm = 2 * n * h * ab + 2 * n * STAT  # ln_f input, output, mean/rstd
+        tables = 8 * seq  # positions
+    else:
+        block = llama_block_saved(n, h, sh.heads, sh.inter, ab, tiled_mlp=tiled)
+        norm = n * h * STAT + n * STAT + 2 * n * h * ab  # as a block's RMSNorm
+        tables = 2 * seq * (h // sh.heads) * STAT  # rotary cos, sin
+    if c.dropout > 0:  # a mask per dropout (CUDA: 1 byte; CPU keeps a full-dtype noise)
+        block += 2 * n * h
+        norm += n * h
+    ids = 8 * 2 * n + 4  # token ids, targets, the loss
+    head_saved = norm + ids + (0 if tiled_head else n * V * STAT)
+    if tiled_head:  # one tile's logits + softmax, grad of the hidden states, head weight grad
+        head_peak = 2 * tile * V * STAT + n * h * ab + V * h * ab
+    else:  # log-softmax, its gradient, the logits' gradient
+        head_peak = 2 * n * V * STAT
+    # one block's backward (what joins its saved activations, freed as it goes): in the
+    # MLP the residual gradients in and out and the widest [tokens × I] gradient pair;
+    # in attention the gradients of the output, q, k, v and the residual (GPT: and the
+    # fused qkv's concatenated gradient) — measured on SDPA's flash backward
+    mlp_grad = 2 * n * h * ab + 2 * tile * sh.inter * ab
+    if tiled:  # the tiled MLP's parameter gradients: the running sum and one tile's
+        mlp_grad += 2 * (2 if sh.family == "gpt" else 3) * h * sh.inter * ab
+    attn_grad = (5 if sh.family == "gpt" else 3) * n * h * ab
+    block_bwd = max(mlp_grad, attn_grad)
+    inp = n * h * ab
+    if mode:
+        kept = (0 if offload else L * inp)
+        on_device = min(2, L) * inp if offload else 0
+        saved = kept + on_device + head_saved + tables
+        # a tied head's gradient waits in autograd for the embedding's, to be summed
+        tied = V * h * ab if tiled_head and c.hf is None and hf_config is None \
+            and c.tie_weights else 0
+        peak = max(saved + head_peak,
+                   kept + on_device + tables + block + block_bwd + tied)
+        return Activations(saved, peak, L * inp if offload else 0)
+    saved = L * block + head_saved + tables
+    return Activations(saved, saved + head_peak)
 
 
+def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
+                     act_bytes: int = 2, checkpointing: bool | str | None = None,
+                     tile_tokens: int | None = None, device: str = "cuda",
+                     hf_config: dict[str, Any] | None = None) -> int:
+    """The device's activation peak of one rank's training step (`activation_parts`)."""
+    return activation_parts(model_cfg, micro_batch, seq, act_bytes=act_bytes,
+                            checkpointing=checkpointing, tile_tokens=tile_tokens,
+                            device=device, hf_config=hf_config).peak
+
+
+def config_activations(cfg: Any, micro_batch: int | None = None, seq: int | None = None,
+                       device: str = "cuda") -> Activations:
+    """`activation_parts` of a run's whole config (model, sequence, precision, data)."""
+    from zerotrain.memory.states import activation_dtype_bytes
+
+    return activation_parts(
+        cfg.model, micro_batch or cfg.data.micro_batch_size, seq or cfg.model.block_size,
+        act_bytes=activation_dtype_bytes(cfg.precision.dtype),
+        tile_tokens=cfg.sequence.tile_tokens, device=device)
+
+
+def max_seq(fits: Any, lo: int = 1, hi: int = 1 << 24) -> int:
+    """The longest sequence for which `fits(seq)` holds (monotone), by bisection; 0 if
+    not even `lo` fits."""
+    if not fits(lo):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

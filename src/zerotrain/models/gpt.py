@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ModelConfig
+from zerotrain.models.checkpointing import apply_checkpointing
 from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
-from zerotrain.models.sampling import CausalLM, lm_loss
+from zerotrain.models.sampling import CausalLM
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,6 +74,7 @@ class GPT(CausalLM):
             self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
             if cfg.tie_weights:
                 self.head.weight = self.wte.weight
+        apply_checkpointing(self.blocks, cfg.activation_checkpointing)
 
     def init_param(self, name: str, t: Tensor) -> None:
         """Parameter `name`'s initial value, from (seed, name) alone (models/init.py), so a
@@ -93,12 +94,9 @@ class GPT(CausalLM):
             raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return lm_loss(self.head(self.ln_f(x)), targets)
+        for block in self.blocks:  # checkpointed per model.activation_checkpointing
+            x = block(x)
+        return self.head_loss(self.ln_f(x), self.head, targets)
 
 
 

@@ -51,6 +51,9 @@ class HFCausalLM(CausalLM):
         self.hf_config = hf_config  # what config.json said: export writes it back
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        if targets is not None and self.tile_tokens:  # no logits: hidden states, tiled head
+            hidden = self.hf.base_model(input_ids=idx, use_cache=False)[0]
+            return self.head_loss(hidden, self.hf.get_output_embeddings(), targets)
         return lm_loss(self.hf(input_ids=idx, use_cache=False).logits, targets)
 
 

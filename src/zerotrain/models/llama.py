@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ConfigError, ModelConfig
+from zerotrain.models.checkpointing import apply_checkpointing
 from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.presets import resolve_model_config
-from zerotrain.models.sampling import CausalLM, lm_loss
+from zerotrain.models.sampling import CausalLM
 
 
 class RMSNorm(nn.Module):
@@ -130,6 +130,7 @@ class Llama(CausalLM):
             self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
             if cfg.tie_weights:
                 self.head.weight = self.embed.weight
+        apply_checkpointing(self.blocks, cfg.activation_checkpointing)
 
     def init_param(self, name: str, t: Tensor) -> None:
         """As the GPT's (models/init.py): a function of (seed, name) alone; residual
@@ -150,12 +151,9 @@ class Llama(CausalLM):
         cos, sin = rope_tables(T, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta,
                                idx.device)
         x = self.drop(self.embed(idx))
-        for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin)
-        return lm_loss(self.head(self.norm(x)), targets)
+        for block in self.blocks:  # checkpointed per model.activation_checkpointing
+            x = block(x, cos, sin)
+        return self.head_loss(self.norm(x), self.head, targets)
 
 
 def plan(model: Llama) -> Plan:

@@ -55,6 +55,17 @@ class CausalLM(nn.Module):
     """What every model family zerotrain builds shares: sampling over `cfg.block_size`."""
 
     cfg: Any
+    #: sequence.tile_tokens: the loss computed this many tokens at a time (models/tiling.py)
+    tile_tokens: int | None = None
+
+    def head_loss(self, hidden: Tensor, head: nn.Module, targets: Tensor | None) -> Tensor:
+        """Logits of the final hidden states, or their loss against `targets` — tiled
+        (no full logits) when `tile_tokens` is set."""
+        if targets is not None and self.tile_tokens:
+            from zerotrain.models.tiling import tiled_lm_loss
+
+            return tiled_lm_loss(hidden, head, targets, self.tile_tokens)
+        return lm_loss(head(hidden), targets)
 
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = 50, generator: torch.Generator | None = None) -> Tensor:

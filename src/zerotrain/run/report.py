@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zerotrain.config import Config
-from zerotrain.memory import activation_bytes, activation_dtype_bytes
+from zerotrain.memory import config_activations
 from zerotrain.optim.schedule import lr_from_config
 from zerotrain.run.curves import Series, curve_series, plot_curves
 from zerotrain.run.trackers import make_trackers
@@ -118,10 +118,8 @@ class Reporter:
     def phases(self, eng: Engine) -> None:
         """Peak memory per phase against the model's prediction (rank 0's numbers)."""
         c = self.cfg
-        acts, modelled = 0, c.model.arch == "gpt" and c.model.hf is None
-        if modelled:
-            acts = activation_bytes(c.model, c.data.micro_batch_size, c.model.block_size,
-                                    act_bytes=activation_dtype_bytes(c.precision.dtype))
+        # every family's activations are modelled (memory/activations.py)
+        acts, modelled = config_activations(c, device=eng.device.type).peak, True
         ph = eng.memory_phases(acts)
         self.record({"type": "memory_phases", "step": eng.global_step,
                      "activations_modelled": modelled, **ph})
