@@ -414,7 +414,7 @@ def test_train_run_with_tiles_and_checkpointing_equals_plain(tmp_path):
     the same losses as the plain run, and the per-phase line models the activations."""
     import json
 
-    from zerotrain.train import train
+    from zerotrain.run.loop import train
 
     from zero_harness import run_config, train_losses
 
