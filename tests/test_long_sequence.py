@@ -17,7 +17,7 @@ from zerotrain.models.checkpointing import apply_checkpointing, checkpoint_mode
 from zerotrain.models.gpt import GPT
 from zerotrain.models.hf import HFCausalLM
 from zerotrain.models.llama import Llama
-from zerotrain.models.tiling import apply_tiling
+from zerotrain.models.long_sequence import apply_tiling
 
 from multirank import run_ranks
 from zero_harness import rel_err, train_tiny

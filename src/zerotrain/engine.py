@@ -40,7 +40,7 @@ from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
 from zerotrain.models import Group, Plan, plan_for
-from zerotrain.models.tiling import apply_long_sequence
+from zerotrain.models.long_sequence import apply_long_sequence
 from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32

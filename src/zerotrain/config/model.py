@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -10,7 +12,7 @@ from pydantic import (
     model_validator,
 )
 
-from zerotrain.config.base import _Section
+from zerotrain.config.base import ConfigError, _Section
 
 #: What each model family takes for a field left null (`_family_defaults` applies them).
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -170,3 +172,15 @@ class SequenceConfig(_Section):
         "many tokens at a time, recomputing each tile in backward: the [tokens x vocabulary] "
         "logits and the [tokens x intermediate] MLP activations never exist in full; null: "
         "untiled")
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """A Hugging Face model folder's config.json, as a dict."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.hf '{folder}' has no config.json; point it at a local "
+                          "Hugging Face model folder")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf: cannot read '{path}': {e}") from None

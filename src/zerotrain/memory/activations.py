@@ -110,7 +110,7 @@ def _shape(c: ModelConfig, hf_config: dict[str, Any] | None = None) -> _Shape:
     """The sizes that set activations; a Hugging Face config by its own fields."""
     if c.hf is not None or hf_config is not None:
         if hf_config is None:
-            from zerotrain.models.presets import read_hf_config
+            from zerotrain.config.model import read_hf_config
 
             hf_config = read_hf_config(c.hf)  # type: ignore[arg-type]
         raw = hf_config

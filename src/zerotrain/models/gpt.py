@@ -38,6 +38,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    position_wise = True  # each token's output depends on that token only: tiling may cut it
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=cfg.bias)

@@ -87,6 +87,8 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)): a gated MLP, three matrices instead of two."""
 
+    position_wise = True  # each token's output depends on that token only: tiling may cut it
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         assert cfg.n_embd and cfg.intermediate_size

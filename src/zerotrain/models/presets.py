@@ -10,11 +10,10 @@ brackets: the real vocabulary follows the tokenizer.
 from __future__ import annotations
 
 import difflib
-import json
-from pathlib import Path
 from typing import Any
 
 from zerotrain.config import ConfigError, ModelConfig, llama_intermediate_size
+from zerotrain.config.model import read_hf_config
 
 #: name -> (family, sizes). Parameters (count_params; a gpt's tied head counts once):
 #:   preset       GPT-2/Llama vocab          bytes (V 256, block_size 128)
@@ -55,18 +54,6 @@ def preset_sizes(name: str, arch: str | None = None) -> tuple[str, dict[str, int
         raise ConfigError(f"model.preset '{name}' is a {family} size but model.arch is {arch}; "
                           f"use a {arch} preset ({', '.join(same)}) or set model.arch {family}")
     return family, dict(sizes)
-
-
-def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    """A Hugging Face model folder's config.json, as a dict."""
-    path = Path(folder).expanduser() / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"model.hf '{folder}' has no config.json; point it at a local "
-                          "Hugging Face model folder")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.hf: cannot read '{path}': {e}") from None
 
 
 def _hf_sizes(raw: dict[str, Any]) -> dict[str, Any]:
