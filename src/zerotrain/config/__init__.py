@@ -31,6 +31,7 @@ from zerotrain.config.run import (
     WandbConfig,
     ZeroConfig,
 )
+from zerotrain.config.sequence import SequenceConfig, check_sequence_parallel
 from zerotrain.config.training import (
     FP8Config,
     LossScaleConfig,
@@ -44,8 +45,9 @@ from zerotrain.config.tree import Config, idle_settings
 __all__ = [
     "LIBRARY_DEFAULTS", "CheckpointConfig", "CommConfig", "Config", "ConfigError",
     "DataConfig", "FP8Config", "FaultConfig", "LoggingConfig", "LossScaleConfig", "ModelConfig",
-    "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig",
+    "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig", "SequenceConfig",
     "SpikeGuardConfig", "TrainConfig", "WandbConfig", "ZeroConfig", "build_config",
-    "deep_merge", "idle_settings", "llama_intermediate_size", "load_config",
+    "check_sequence_parallel", "deep_merge", "idle_settings", "llama_intermediate_size",
+    "load_config",
     "parse_overrides", "read_config_file",
 ]

@@ -18,6 +18,7 @@ from zerotrain.config.run import (
     TrainConfig,
     ZeroConfig,
 )
+from zerotrain.config.sequence import SequenceConfig
 from zerotrain.config.training import (
     OptimizerConfig,
     PrecisionConfig,
@@ -37,6 +38,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    sequence: SequenceConfig = Field(default_factory=SequenceConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -75,6 +77,13 @@ class Config(_Section):
                     f"schedule.decay_steps ({s.decay_steps}) ends the decay at step {end}, "
                     f"after train.steps ({self.train.steps}): the run would stop before "
                     "reaching schedule.min_lr; shorten decay_steps or leave it null")
+        sp, m = self.sequence.parallel, self.model
+        if sp > 1 and m.block_size % sp:
+            raise ValueError(f"sequence.parallel ({sp}) must divide model.block_size "
+                             f"({m.block_size}): each rank keeps an equal slice of a sequence")
+        if sp > 1 and m.n_head and m.n_head % sp:
+            raise ValueError(f"sequence.parallel ({sp}) must divide model.n_head ({m.n_head}): "
+                             "each rank attends with an equal share of the heads")
         no_effect = idle_settings(self)
         if no_effect:
             raise ValueError("; ".join(no_effect))

@@ -22,6 +22,7 @@ from zerotrain.config import ConfigError, ModelConfig
 from zerotrain.models.plan import Plan, largest_module_list, plan_from
 from zerotrain.models.presets import read_hf_config
 from zerotrain.models.sampling import CausalLM, lm_loss
+from zerotrain.models.ulysses import global_position_ids
 from zerotrain.models.weights import weight_files
 
 PREFIX = "hf."
@@ -51,7 +52,9 @@ class HFCausalLM(CausalLM):
         self.hf_config = hf_config  # what config.json said: export writes it back
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
-        return lm_loss(self.hf(input_ids=idx, use_cache=False).logits, targets)
+        # global positions of this rank's slice under sequence parallelism, else None
+        out = self.hf(input_ids=idx, use_cache=False, position_ids=global_position_ids(idx))
+        return lm_loss(out.logits, targets)
 
 
 def build_hf(cfg: ModelConfig, hf_config: dict[str, Any] | None = None) -> HFCausalLM:

@@ -1,0 +1,172 @@
+"""Ulysses sequence parallelism (`sequence.parallel: S`): each sequence split along its
+length over S ranks trains exactly as S = 1 does on the same data — the reference GPT,
+llama (grouped-query) and a Hugging Face Llama, at ZeRO-2 and ZeRO-3, worlds 2 and 4 —
+with the all-to-all bytes the layout change implies, and one config error per bad input.
+
+The reference is S = 1 in the same world with each rank given its SP group's batch: the
+ranks of a group then hold copies of one batch, and the average over ranks equals the
+average over groups, which is what S > 1 must compute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from zerotrain.config import ConfigError, build_config, deep_merge
+from zerotrain.models import build_model, pretrained_weights
+
+from multirank import run_ranks
+
+SEQ, B, VOCAB, STEPS = 16, 2, 256, 2
+
+BASE = {
+    "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": SEQ, "bias": False,
+              "vocab_size": VOCAB},
+    "optimizer": {"lr": 1e-2, "grad_clip": 0.0},
+    "schedule": {"kind": "constant", "warmup_steps": 0},
+    "data": {"micro_batch_size": B},
+    "zero": {"bucket_mb": 0.02},
+    "comm": {"algorithm": "native", "check_lockstep": True},
+    "train": {"steps": STEPS, "device": "cpu"},
+}
+
+
+def hf_llama_folder(tmp_path) -> str:
+    """Four query heads over one KV head: S = 2 and 4 replicate the KV head."""
+    torch.manual_seed(11)
+    conf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=1, max_position_embeddings=SEQ)
+    transformers.LlamaForCausalLM(conf).save_pretrained(tmp_path / "hf")
+    return str(tmp_path / "hf")
+
+
+def model_section(kind: str, folder: str) -> dict:
+    if kind == "llama":  # two KV heads: split at S = 2, replicated at S = 4
+        return {"model": {"arch": "llama", "n_kv_head": 2}}
+    if kind == "hf":
+        return {"model": {"hf": folder, "n_layer": None, "n_head": None, "n_embd": None,
+                          "vocab_size": None, "bias": None}}
+    return {}
+
+
+def config(kind: str, folder: str, stage: int, sp: int):
+    over = deep_merge(model_section(kind, folder),
+                      {"zero": {"stage": stage}, "sequence": {"parallel": sp}})
+    cfg = deep_merge(BASE, over)
+    cfg["model"] = {k: v for k, v in cfg["model"].items() if v is not None}
+    return build_config(cfg)
+
+
+def group_batch(step: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of SP group `group` at `step` (the same on every rank of the group)."""
+    g = torch.Generator().manual_seed(1000 * step + group)
+    x = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+    y[0, 3] = -100  # an ignored target: the whole-sequence mean counts the others only
+    return x, y
+
+
+def train(kind: str, folder: str, stage: int, sp: int, group_size: int) -> dict:
+    """Train STEPS steps; rank r gets the batch of group r // group_size."""
+    from zerotrain.comm.dist import world
+    from zerotrain.engine import Engine
+
+    rank, _ = world()
+    cfg = config(kind, folder, stage, sp)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    weights = pretrained_weights(cfg.model, model)
+    if weights is not None:
+        weights.load_into(model)
+    eng = Engine(model, cfg, torch.device("cpu"))
+    losses, norms, traffic = [], [], []
+    for step in range(STEPS):
+        x, y = group_batch(step, rank // group_size)
+        loss = eng(x, y)
+        eng.backward(loss)
+        info = eng.step()
+        assert info is not None
+        losses.append(loss.item())
+        norms.append(info.grad_norm)
+        traffic.append(eng.last_traffic.get("sequence", {}))
+    eng.close()
+    return {"losses": losses, "norms": norms, "traffic": traffic}
+
+
+def run_cases(cases: list[tuple]) -> list[dict]:
+    return [train(*c) for c in cases]
+
+
+def a2a_bytes(n_head: int, n_kv: int, head_dim: int, layers: int, sp: int) -> int:
+    """Theory: per layer, forward sends (S-1)/S of [B, H + 2·Hkv', T/S, D] (q, k, v packed;
+    Hkv' = KV heads after replication) and of the [B, H, T/S, D] output; backward the same
+    again (the inverse exchanges). fp32."""
+    group = n_head // n_kv
+    r = next(r for r in range(1, group + 1) if group % r == 0 and (n_kv * r) % sp == 0)
+    t = SEQ // sp
+    per_layer = B * t * head_dim * ((n_head + 2 * n_kv * r) + n_head) * 4
+    return 2 * layers * per_layer * (sp - 1) // sp
+
+
+def check(cases: list[tuple], results: list[dict], ref_of) -> None:
+    for case, res in zip(cases, results):
+        ref = results[ref_of(case)]
+        for a, b in zip(res["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{case}: loss {a} vs {b}"
+        for a, b in zip(res["norms"], ref["norms"]):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{case}: grad norm {a} vs {b}"
+
+
+HEADS = {"gpt": (4, 4), "llama": (4, 2), "hf": (4, 1)}
+
+
+def _run_world(tmp_path, world: int, sps: tuple[int, ...], stages: tuple[int, ...]):
+    folder = hf_llama_folder(tmp_path)
+    cases = []
+    for kind in ("gpt", "llama", "hf"):
+        for stage in stages:
+            for sp in sps:
+                # the reference (sp 1) is fed as the sp case's groups are
+                cases += [(kind, folder, stage, 1, sp), (kind, folder, stage, sp, sp)]
+    results = run_ranks(run_cases, world, cases)
+    for rank_res in results:
+        check(cases, rank_res, lambda c: cases.index((c[0], c[1], c[2], 1, c[4])))
+    for case, res in zip(cases, results[0]):
+        kind, _, _, sp, _ = case
+        got = res["traffic"][0].get("all_to_all", {}).get("sent_bytes", 0)
+        want = a2a_bytes(*HEADS[kind], 32 // 4, 2, sp) if sp > 1 else 0
+        assert got == want, f"{case}: all-to-all sent {got} bytes, theory {want}"
+    return results
+
+
+def test_sp2_equals_sp1_world2(tmp_path):
+    _run_world(tmp_path, 2, (2,), (2, 3))
+
+
+def test_sp_world4(tmp_path):
+    # S = 4: every family replicates KV heads but the GPT; S = 2: two data-parallel groups
+    _run_world(tmp_path, 4, (2, 4), (3,))
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"sequence": {"parallel": 3}, "model": {"block_size": 18}}, "model.n_head"),
+    ({"sequence": {"parallel": 2}, "model": {"block_size": 15}}, "model.block_size"),
+    ({"sequence": {"parallel": 0}}, "sequence.parallel"),
+])
+def test_bad_config(over, field):
+    with pytest.raises(ConfigError, match=r"sequence\.parallel") as e:
+        build_config(deep_merge(BASE, over))
+    assert field in str(e.value)
+
+
+def test_world_not_divisible():
+    from zerotrain.config import check_sequence_parallel
+
+    with pytest.raises(ConfigError, match=r"sequence.parallel \(2\) must divide the world "
+                                          r"size \(3\)"):
+        check_sequence_parallel(2, 3)
+    with pytest.raises(ConfigError, match=r"attention heads \(6\)"):
+        check_sequence_parallel(4, 4, n_head=6)
