@@ -123,14 +123,12 @@ def check(cases: list[tuple], results: list[dict], ref_of) -> None:
 HEADS = {"gpt": (4, 4), "llama": (4, 2), "hf": (4, 1)}
 
 
-def _run_world(tmp_path, world: int, sps: tuple[int, ...], stages: tuple[int, ...]):
+def _run_world(tmp_path, world: int, runs: list[tuple[str, int, int]]):
+    """runs: (family, stage, S); each beside its S = 1 reference fed the same batches."""
     folder = hf_llama_folder(tmp_path)
     cases = []
-    for kind in ("gpt", "llama", "hf"):
-        for stage in stages:
-            for sp in sps:
-                # the reference (sp 1) is fed as the sp case's groups are
-                cases += [(kind, folder, stage, 1, sp), (kind, folder, stage, sp, sp)]
+    for kind, stage, sp in runs:
+        cases += [(kind, folder, stage, 1, sp), (kind, folder, stage, sp, sp)]
     results = run_ranks(run_cases, world, cases)
     for rank_res in results:
         check(cases, rank_res, lambda c: cases.index((c[0], c[1], c[2], 1, c[4])))
@@ -143,12 +141,13 @@ def _run_world(tmp_path, world: int, sps: tuple[int, ...], stages: tuple[int, ..
 
 
 def test_sp2_equals_sp1_world2(tmp_path):
-    _run_world(tmp_path, 2, (2,), (2, 3))
+    _run_world(tmp_path, 2, [(k, s, 2) for k in ("gpt", "llama", "hf") for s in (2, 3)])
 
 
 def test_sp_world4(tmp_path):
-    # S = 4: every family replicates KV heads but the GPT; S = 2: two data-parallel groups
-    _run_world(tmp_path, 4, (2, 4), (3,))
+    # S = 4: llama and the HF Llama replicate KV heads (2 → 4, 1 → 4); S = 2 at world 4:
+    # two data-parallel groups of two
+    _run_world(tmp_path, 4, [("llama", 3, 4), ("hf", 2, 4), ("gpt", 3, 2)])
 
 
 @pytest.mark.parametrize("over, field", [
