@@ -169,3 +169,38 @@ def test_world_not_divisible():
         check_sequence_parallel(2, 3)
     with pytest.raises(ConfigError, match=r"attention heads \(6\)"):
         check_sequence_parallel(4, 4, n_head=6)
+
+
+def library_hf(folder: str, sp: int) -> dict:
+    """A bare transformers model given to the engine, called HF's way."""
+    from zerotrain.engine import Engine
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM.from_pretrained(folder)
+    x, _ = group_batch(0, 0)
+    labels = x.clone()
+    labels[1, 5:9] = -100
+    with torch.no_grad():
+        hf_loss = float(model(input_ids=x, labels=labels).loss)  # HF alone, whole sequence
+    cfg = build_config(deep_merge(BASE, {"zero": {"stage": 3}, "sequence": {"parallel": sp}}),
+                       library=True)
+    eng = Engine(model, cfg, torch.device("cpu"))
+    out = eng(input_ids=x, labels=labels)  # every rank: the same whole batch
+    eng.backward(out.loss)
+    info = eng.step()
+    eng.close()
+    return {"hf": hf_loss, "loss": out.loss.item(), "norm": info.grad_norm,
+            "logits": tuple(out.logits.shape)}
+
+
+def library_cases(folder: str) -> list[dict]:
+    return [library_hf(folder, 1), library_hf(folder, 2)]
+
+
+def test_library_mode_bare_hf_model(tmp_path):
+    folder = hf_llama_folder(tmp_path)
+    for one, two in run_ranks(library_cases, 2, folder):
+        assert abs(one["loss"] - one["hf"]) <= 1e-6 * one["hf"]
+        assert abs(two["loss"] - one["hf"]) <= 1e-5 * one["hf"]
+        assert abs(two["norm"] - one["norm"]) <= 1e-4 * one["norm"]
+        assert two["logits"] == (B, SEQ // 2, VOCAB)  # this rank's slice

@@ -213,7 +213,7 @@ class SequenceParallel:
 
     def _slice(self, t: Tensor, T: int) -> Tensor:
         n = T // self.size
-        return t[:, self.rank * n:(self.rank + 1) * n]
+        return t[:, self.rank * n:(self.rank + 1) * n].contiguous()
 
     def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run `module` on this rank's slice of a whole batch (see the class docstring).
