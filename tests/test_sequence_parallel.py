@@ -204,3 +204,24 @@ def test_library_mode_bare_hf_model(tmp_path):
         assert abs(two["loss"] - one["hf"]) <= 1e-5 * one["hf"]
         assert abs(two["norm"] - one["norm"]) <= 1e-4 * one["norm"]
         assert two["logits"] == (B, SEQ // 2, VOCAB)  # this rank's slice
+
+
+def _run_sp(tmp_path, sp: int, run: str) -> dict[int, float]:
+    from zerotrain.run.loop import train as run_train
+
+    from zero_harness import run_config, train_losses
+
+    cfg = run_config(tmp_path, run, 4, every=0, zero={"stage": 3},
+                     sequence={"parallel": sp})
+    run_train(cfg)
+    return train_losses(tmp_path / run)
+
+
+def test_training_loop_sp2_equals_one_process(tmp_path):
+    """The run loop hands both ranks of the group the same batch (data-parallel degree 1):
+    the logged losses are those of one process on the same data."""
+    one = _run_sp(tmp_path, 1, "one")
+    two = run_ranks(_run_sp, 2, tmp_path, 2, "two")[0]
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for s in one:
+        assert abs(one[s] - two[s]) <= 1e-5 * one[s], (s, one[s], two[s])
