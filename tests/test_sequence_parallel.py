@@ -52,9 +52,10 @@ def model_section(kind: str, folder: str) -> dict:
     return {}
 
 
-def config(kind: str, folder: str, stage: int, sp: int):
+def config(kind: str, folder: str, stage: int, sp: int, extra: dict | None = None):
     over = deep_merge(model_section(kind, folder),
                       {"zero": {"stage": stage}, "sequence": {"parallel": sp}})
+    over = deep_merge(over, extra or {})
     cfg = deep_merge(BASE, over)
     cfg["model"] = {k: v for k, v in cfg["model"].items() if v is not None}
     return build_config(cfg)
@@ -69,13 +70,14 @@ def group_batch(step: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train(kind: str, folder: str, stage: int, sp: int, group_size: int) -> dict:
+def train(kind: str, folder: str, stage: int, sp: int, group_size: int,
+          extra: dict | None = None) -> dict:
     """Train STEPS steps; rank r gets the batch of group r // group_size."""
     from zerotrain.comm.dist import world
     from zerotrain.engine import Engine
 
     rank, _ = world()
-    cfg = config(kind, folder, stage, sp)
+    cfg = config(kind, folder, stage, sp, extra)
     torch.manual_seed(0)
     model = build_model(cfg.model)
     weights = pretrained_weights(cfg.model, model)
@@ -100,15 +102,16 @@ def run_cases(cases: list[tuple]) -> list[dict]:
     return [train(*c) for c in cases]
 
 
-def a2a_bytes(n_head: int, n_kv: int, head_dim: int, layers: int, sp: int) -> int:
+def a2a_bytes(n_head: int, n_kv: int, head_dim: int, layers: int, sp: int,
+              recompute: bool = False) -> int:
     """Theory: per layer, forward sends (S-1)/S of [B, H + 2·Hkv', T/S, D] (q, k, v packed;
     Hkv' = KV heads after replication) and of the [B, H, T/S, D] output; backward the same
-    again (the inverse exchanges). fp32."""
+    again (the inverse exchanges); activation checkpointing runs the forward's twice. fp32."""
     group = n_head // n_kv
     r = next(r for r in range(1, group + 1) if group % r == 0 and (n_kv * r) % sp == 0)
     t = SEQ // sp
     per_layer = B * t * head_dim * ((n_head + 2 * n_kv * r) + n_head) * 4
-    return 2 * layers * per_layer * (sp - 1) // sp
+    return (3 if recompute else 2) * layers * per_layer * (sp - 1) // sp
 
 
 def check(cases: list[tuple], results: list[dict], ref_of) -> None:
@@ -123,25 +126,33 @@ def check(cases: list[tuple], results: list[dict], ref_of) -> None:
 HEADS = {"gpt": (4, 4), "llama": (4, 2), "hf": (4, 1)}
 
 
-def _run_world(tmp_path, world: int, runs: list[tuple[str, int, int]]):
-    """runs: (family, stage, S); each beside its S = 1 reference fed the same batches."""
+def _run_world(tmp_path, world: int, runs: list[tuple]):
+    """runs: (family, stage, S[, config overrides]); each beside its S = 1 reference fed
+    the same batches with the same overrides."""
     folder = hf_llama_folder(tmp_path)
     cases = []
-    for kind, stage, sp in runs:
-        cases += [(kind, folder, stage, 1, sp), (kind, folder, stage, sp, sp)]
+    for kind, stage, sp, *extra in runs:
+        ex = extra[0] if extra else None
+        cases += [(kind, folder, stage, 1, sp, ex), (kind, folder, stage, sp, sp, ex)]
     results = run_ranks(run_cases, world, cases)
     for rank_res in results:
-        check(cases, rank_res, lambda c: cases.index((c[0], c[1], c[2], 1, c[4])))
+        check(cases, rank_res, lambda c: cases.index((c[0], c[1], c[2], 1, c[4], c[5])))
     for case, res in zip(cases, results[0]):
-        kind, _, _, sp, _ = case
+        kind, _, _, sp, _, extra = case
+        recompute = bool((extra or {}).get("model", {}).get("activation_checkpointing"))
         got = res["traffic"][0].get("all_to_all", {}).get("sent_bytes", 0)
-        want = a2a_bytes(*HEADS[kind], 32 // 4, 2, sp) if sp > 1 else 0
+        want = a2a_bytes(*HEADS[kind], 32 // 4, 2, sp, recompute) if sp > 1 else 0
         assert got == want, f"{case}: all-to-all sent {got} bytes, theory {want}"
     return results
 
 
 def test_sp2_equals_sp1_world2(tmp_path):
-    _run_world(tmp_path, 2, [(k, s, 2) for k in ("gpt", "llama", "hf") for s in (2, 3)])
+    _run_world(tmp_path, 2, [(k, s, 2) for k in ("gpt", "llama", "hf") for s in (2, 3)] + [
+        # checkpointed blocks recompute attention in backward: the exchange must run again
+        ("llama", 3, 2, {"model": {"activation_checkpointing": True}}),
+        ("gpt", 1, 2), ("gpt", 2, 2, {"zero": {"offload_optimizer": "cpu"}}),
+        ("gpt", 2, 2, {"comm": {"algorithm": "ring"}}),  # the pairwise ring all-to-all
+    ])
 
 
 def test_sp_world4(tmp_path):
