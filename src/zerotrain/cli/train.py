@@ -27,6 +27,7 @@ SECTIONS = {
     "checkpoint": "where and how often to save, how many to keep",
     "logging": "run folder, metrics backends, progress, evaluation, plot, sample",
     "train": "steps, seed, device, threads, divergence limits, fault injection",
+    "sequence": "long sequences: Ulysses sequence parallelism over groups of ranks",
 }
 
 

@@ -78,7 +78,9 @@ class Config(_Section):
                     f"after train.steps ({self.train.steps}): the run would stop before "
                     "reaching schedule.min_lr; shorten decay_steps or leave it null")
         sp, m = self.sequence.parallel, self.model
-        if sp > 1 and m.block_size % sp:
+        # block_size only when given: library mode's batches need not follow the default
+        # (their length is checked per batch); the CLI checks it at launch too
+        if sp > 1 and "block_size" in m.model_fields_set and m.block_size % sp:
             raise ValueError(f"sequence.parallel ({sp}) must divide model.block_size "
                              f"({m.block_size}): each rank keeps an equal slice of a sequence")
         if sp > 1 and m.n_head and m.n_head % sp:

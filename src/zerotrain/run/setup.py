@@ -219,7 +219,7 @@ def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
     (made here once: the ranks then find the tokenizer and token shards ready)."""
     pick_device(cfg.train.device, 0, local_world=world)
     check_weights(cfg.model)
-    check_sequence_parallel(cfg.sequence.parallel, world)
+    check_sequence_parallel(cfg.sequence.parallel, world, seq_len=cfg.model.block_size)
     src = resolve_resume(cfg, resume)
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
     for line in data.notes:
@@ -262,7 +262,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if restart_count() > 0:  # restarted by the elastic agent: continue from the latest
         resume = "auto"
     src = resolve_resume(cfg, resume)  # the run folder's rules, before the model exists
-    check_sequence_parallel(cfg.sequence.parallel, info.world_size)
+    check_sequence_parallel(cfg.sequence.parallel, info.world_size,
+                            seq_len=cfg.model.block_size)
     data = load_data(cfg, info.rank, info.world_size, drop_caches=drops_caches(cfg, src))
     cfg = data.cfg
     engine = build(cfg, info.device)
