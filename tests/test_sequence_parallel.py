@@ -199,9 +199,14 @@ def library_hf(folder: str, sp: int) -> dict:
     out = eng(input_ids=x, labels=labels)  # every rank: the same whole batch
     eng.backward(out.loss)
     info = eng.step()
+    with eng.full_parameters(), torch.no_grad():  # outside the engine: the model's own
+        hooked = model(input_ids=x).logits      # attention (eval, generation), hook or not
+        own, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
+        plain = model(input_ids=x).logits
+        model.config._attn_implementation = own
     eng.close()
     return {"hf": hf_loss, "loss": out.loss.item(), "norm": info.grad_norm,
-            "logits": tuple(out.logits.shape)}
+            "logits": tuple(out.logits.shape), "outside": float((hooked - plain).abs().max())}
 
 
 def library_cases(folder: str) -> list[dict]:
@@ -215,6 +220,7 @@ def test_library_mode_bare_hf_model(tmp_path):
         assert abs(two["loss"] - one["hf"]) <= 1e-5 * one["hf"]
         assert abs(two["norm"] - one["norm"]) <= 1e-4 * one["norm"]
         assert two["logits"] == (B, SEQ // 2, VOCAB)  # this rank's slice
+        assert one["outside"] == two["outside"] == 0.0
 
 
 def _run_sp(tmp_path, sp: int, run: str) -> dict[int, float]:

@@ -129,9 +129,26 @@ def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                   attention_mask: Tensor | None, dropout: float = 0.0,
                   scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
     """transformers' attention-function signature ([B, H, T, D] in, [B, T, H, D] out).
-    Causal over the whole sequence; a padding mask is not supported (packed training
-    batches have none), and the registration creates no mask."""
+
+    Under a shard: causal over the whole sequence (a padding mask is not supported there;
+    training batches of whole windows have none). Otherwise — the same model evaluated,
+    or generating with a KV cache, outside the engine — the model's own implementation,
+    with the mask transformers made for it (registered as sdpa's)."""
+    if _active is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        own = getattr(getattr(module, "config", None), "_zerotrain_own_attn", None) or "sdpa"
+        fn = ALL_ATTENTION_FUNCTIONS[own] if own != "eager" else _eager(module)
+        return fn(module, query, key, value, attention_mask, dropout=dropout,
+                  scaling=scaling, **kwargs)
     return ulysses_attention(query, key, value, dropout, scaling).transpose(1, 2), None
+
+
+def _eager(module: nn.Module) -> Any:
+    """The model's own eager attention function (its modeling module defines it)."""
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def hf_hook(model: nn.Module) -> None:
@@ -140,9 +157,14 @@ def hf_hook(model: nn.Module) -> None:
     (its `_attn_implementation`, which every attention layer reads per call). The user's
     model code is untouched."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     config = model.config
+    own = getattr(config, "_attn_implementation", None)
+    if own != HF_ATTENTION:
+        config._zerotrain_own_attn = own  # what runs outside a shard (eval, generation)
     setter = getattr(model, "set_attn_implementation", None)
     if callable(setter):
         try:
