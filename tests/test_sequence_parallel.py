@@ -156,9 +156,9 @@ def test_sp2_equals_sp1_world2(tmp_path):
 
 
 def test_sp_world4(tmp_path):
-    # S = 4: llama and the HF Llama replicate KV heads (2 → 4, 1 → 4); S = 2 at world 4:
-    # two data-parallel groups of two
-    _run_world(tmp_path, 4, [("llama", 3, 4), ("hf", 2, 4), ("gpt", 3, 2)])
+    # S = 4: llama replicates its KV heads (2 → 4; the HF Llama's 1 → 2 runs at world 2);
+    # S = 2 at world 4: two data-parallel groups of two
+    _run_world(tmp_path, 4, [("llama", 3, 4), ("gpt", 3, 2)])
 
 
 @pytest.mark.parametrize("over, field", [
