@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
 from zerotrain.models import Group, Plan, plan_for
 from zerotrain.models.long_sequence import apply_long_sequence
+from zerotrain.models.ulysses import SequenceParallel
 from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32
@@ -112,6 +113,11 @@ class Engine(DeepSpeedAPI):
                          timeout_s=config.comm.timeout_s, grad_group=config.comm.grad_group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
+        # sequence.parallel > 1: groups of S ranks share each sequence (models/ulysses.py);
+        # the forward slices the batch, the backward divides by the data-parallel degree
+        self.sp = SequenceParallel(config.sequence.parallel, self.comm, model) \
+            if config.sequence.parallel > 1 else None
+        self.dp_size = self.sp.dp_size if self.sp is not None else self.world_size
         self.plan = plan or plan_for(model)
         self.strategy: Strategy = strategy_class(config.zero)(
             model, self.plan, self.policy, self.comm, config.zero, self.device,
@@ -150,9 +156,15 @@ class Engine(DeepSpeedAPI):
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward. With `sequence.parallel` S > 1, every rank of an SP group
+        passes the same whole batch — `(idx, targets)` or `input_ids=..., labels=...` —
+        and the engine keeps this rank's 1/S of the length; the loss returned is the whole
+        sequence's mean (logits, if returned, are this rank's slice)."""
         if self.fp8 is not None:
             self.fp8.counting = self.fp8_counts_at(self.global_step + 1)
         with self._phase("forward"):
+            if self.sp is not None:
+                return self.sp.forward(self.module, args, kwargs)
             return self.module(*args, **kwargs)
 
     @contextmanager
@@ -197,17 +209,20 @@ class Engine(DeepSpeedAPI):
                               self.config.train.steps)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate loss × scale / (accumulation × world size).
+        """Backpropagate loss × scale / (accumulation × data-parallel degree).
 
         Folding 1/(accum·N) into the loss makes the summed reduction an average over the
-        global batch with no extra pass over the gradients.
+        global batch with no extra pass over the gradients. N is the world size, or world
+        / S with sequence parallelism: the S ranks of a group hold partial gradients of
+        the same sequences, which the sum over ranks adds up whole.
         """
         self.strategy.pre_backward(self.is_boundary() and not self._no_sync)
-        factor = self.scaler.scale / (self.accum * self.world_size)
+        factor = self.scaler.scale / (self.accum * self.dp_size)
         if self.spike_guard is not None:  # kept on the device: no sync per micro-step
             d = loss.detach().float()
             self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
-        with self._phase("backward"):
+        with self._phase("backward"), (self.sp.backward_context() if self.sp is not None
+                                       else nullcontext()):
             (loss.float() * factor).backward()
 
     def step(self) -> StepInfo | None:

@@ -70,7 +70,7 @@ class DeepSpeedAPI:
         return self.accum
 
     def train_batch_size(self) -> int:
-        return self.config.data.micro_batch_size * self.accum * self.world_size
+        return self.config.data.micro_batch_size * self.accum * self.dp_size  # SP: world / S
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

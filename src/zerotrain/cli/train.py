@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 SECTIONS = {
     "model": "gpt or llama, by sizes, a named preset or a Hugging Face folder",
     "data": "corpus, tokenizer, validation split, micro-batch, accumulation",
-    "sequence": "long sequences: loss and MLP computed in tiles of N tokens",
+    "sequence": "long sequences: loss and MLP in tiles of N tokens; Ulysses parallelism",
     "optimizer": "AdamW, Adam, SGD, Adagrad, RMSprop, Lion or Muon; clipping",
     "schedule": "learning rate: warmup, hold, decay (cosine, linear, WSD), floor",
     "precision": "fp32, bf16 or fp16 compute; loss scaling; FP8 matmuls, all-gather",

@@ -23,7 +23,6 @@ from zerotrain.config.load import (
 from zerotrain.config.model import (
     DataConfig,
     ModelConfig,
-    SequenceConfig,
     llama_intermediate_size,
 )
 from zerotrain.config.run import (
@@ -36,6 +35,7 @@ from zerotrain.config.run import (
     WandbConfig,
     ZeroConfig,
 )
+from zerotrain.config.sequence import SequenceConfig, check_sequence_parallel
 from zerotrain.config.training import (
     FP8Config,
     LossScaleConfig,
@@ -51,6 +51,7 @@ __all__ = [
     "DataConfig", "FP8Config", "FaultConfig", "LoggingConfig", "LossScaleConfig", "ModelConfig",
     "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig", "SequenceConfig",
     "SpikeGuardConfig", "TrainConfig", "WandbConfig", "ZeroConfig", "build_config",
-    "deep_merge", "idle_settings", "llama_intermediate_size", "load_config",
+    "check_sequence_parallel", "deep_merge", "idle_settings", "llama_intermediate_size",
+    "load_config",
     "parse_overrides", "read_config_file",
 ]

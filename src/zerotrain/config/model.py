@@ -164,16 +164,6 @@ class DataConfig(_Section):
         return v
 
 
-class SequenceConfig(_Section):
-    """How a long sequence is cut: tiles of the loss head and the MLP (models/tiling.py)."""
-
-    tile_tokens: int | None = Field(
-        None, ge=1, description="compute the loss (through the output head) and the MLP this "
-        "many tokens at a time, recomputing each tile in backward: the [tokens x vocabulary] "
-        "logits and the [tokens x intermediate] MLP activations never exist in full; null: "
-        "untiled")
-
-
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """A Hugging Face model folder's config.json, as a dict."""
     path = Path(folder).expanduser() / "config.json"

@@ -10,7 +10,7 @@ from pydantic import (
 )
 
 from zerotrain.config.base import _Section
-from zerotrain.config.model import DataConfig, ModelConfig, SequenceConfig
+from zerotrain.config.model import DataConfig, ModelConfig
 from zerotrain.config.run import (
     CheckpointConfig,
     CommConfig,
@@ -18,6 +18,7 @@ from zerotrain.config.run import (
     TrainConfig,
     ZeroConfig,
 )
+from zerotrain.config.sequence import SequenceConfig
 from zerotrain.config.training import (
     OptimizerConfig,
     PrecisionConfig,
@@ -76,6 +77,15 @@ class Config(_Section):
                     f"schedule.decay_steps ({s.decay_steps}) ends the decay at step {end}, "
                     f"after train.steps ({self.train.steps}): the run would stop before "
                     "reaching schedule.min_lr; shorten decay_steps or leave it null")
+        sp, m = self.sequence.parallel, self.model
+        # block_size only when given: library mode's batches need not follow the default
+        # (their length is checked per batch); the CLI checks it at launch too
+        if sp > 1 and "block_size" in m.model_fields_set and m.block_size % sp:
+            raise ValueError(f"sequence.parallel ({sp}) must divide model.block_size "
+                             f"({m.block_size}): each rank keeps an equal slice of a sequence")
+        if sp > 1 and m.n_head and m.n_head % sp:
+            raise ValueError(f"sequence.parallel ({sp}) must divide model.n_head ({m.n_head}): "
+                             "each rank attends with an equal share of the heads")
         no_effect = idle_settings(self)
         if no_effect:
             raise ValueError("; ".join(no_effect))

@@ -17,6 +17,7 @@ from zerotrain.models.checkpointing import apply_checkpointing
 from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.sampling import CausalLM
+from zerotrain.models.ulysses import position_offset, ulysses_attention
 
 
 class CausalSelfAttention(nn.Module):
@@ -31,9 +32,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        # over the whole sequence with sequence parallelism (models/ulysses.py)
+        y = ulysses_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -92,9 +92,11 @@ class GPT(CausalLM):
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits (B, T, V), or the mean FP32 cross-entropy when targets are given."""
         T = idx.shape[1]
-        if self.cfg.block_size < T:
-            raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        start = position_offset()  # global positions: this rank's slice under SP
+        if self.cfg.block_size < start + T:
+            raise ValueError(f"sequence length {start + T} exceeds model.block_size "
+                             f"{self.cfg.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:  # checkpointed per model.activation_checkpointing
             x = block(x)

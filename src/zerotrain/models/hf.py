@@ -22,6 +22,7 @@ from zerotrain.config import ConfigError, ModelConfig
 from zerotrain.models.plan import Plan, largest_module_list, plan_from
 from zerotrain.models.presets import read_hf_config
 from zerotrain.models.sampling import CausalLM, lm_loss
+from zerotrain.models.ulysses import global_position_ids
 from zerotrain.models.weights import weight_files
 
 PREFIX = "hf."
@@ -51,10 +52,13 @@ class HFCausalLM(CausalLM):
         self.hf_config = hf_config  # what config.json said: export writes it back
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        # global positions of this rank's slice under sequence parallelism, else None
+        pos = global_position_ids(idx)
         if targets is not None and self.tile_tokens:  # no logits: hidden states, tiled head
-            hidden = self.hf.base_model(input_ids=idx, use_cache=False)[0]
+            hidden = self.hf.base_model(input_ids=idx, use_cache=False, position_ids=pos)[0]
             return self.head_loss(hidden, self.hf.get_output_embeddings(), targets)
-        return lm_loss(self.hf(input_ids=idx, use_cache=False).logits, targets)
+        out = self.hf(input_ids=idx, use_cache=False, position_ids=pos)
+        return lm_loss(out.logits, targets)
 
 
 def build_hf(cfg: ModelConfig, hf_config: dict[str, Any] | None = None) -> HFCausalLM:

@@ -19,6 +19,7 @@ from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.presets import resolve_model_config
 from zerotrain.models.sampling import CausalLM
+from zerotrain.models.ulysses import position_offset, ulysses_attention
 
 
 class RMSNorm(nn.Module):
@@ -36,14 +37,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(T: int, head_dim: int, theta: float, device: torch.device
+def rope_tables(T: int, head_dim: int, theta: float, device: torch.device, start: int = 0
                 ) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape (T, head_dim): position t turns channel pair (i, i + head_dim/2)
-    by t / theta^(2i/head_dim). Recomputed per forward (cheap), so no buffer needs care
-    on the meta device or in checkpoints."""
+    """cos, sin of shape (T, head_dim) for positions start .. start + T - 1: position t
+    turns channel pair (i, i + head_dim/2) by t / theta^(2i/head_dim). Recomputed per
+    forward (cheap), so no buffer needs care on the meta device or in checkpoints."""
     exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / theta ** exps
-    angles = torch.outer(torch.arange(T, device=device).float(), inv_freq)
+    angles = torch.outer(torch.arange(start, start + T, device=device).float(), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -76,11 +77,9 @@ class Attention(nn.Module):
         k = self.k(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         v = self.v(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv < self.n_head:  # query head h reads key/value head h // group
-            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # query head h reads key/value head h // group; over the whole sequence with
+        # sequence parallelism (models/ulysses.py)
+        y = ulysses_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
 
 
@@ -147,11 +146,13 @@ class Llama(CausalLM):
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits (B, T, V), or the mean FP32 cross-entropy when targets are given."""
         T = idx.shape[1]
-        if self.cfg.block_size < T:
-            raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
+        start = position_offset()  # global positions: this rank's slice under SP
+        if self.cfg.block_size < start + T:
+            raise ValueError(f"sequence length {start + T} exceeds model.block_size "
+                             f"{self.cfg.block_size}")
         assert self.cfg.n_embd and self.cfg.n_head
         cos, sin = rope_tables(T, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta,
-                               idx.device)
+                               idx.device, start)
         x = self.drop(self.embed(idx))
         for block in self.blocks:  # checkpointed per model.activation_checkpointing
             x = block(x, cos, sin)

@@ -62,7 +62,10 @@ def train_step(run: Run) -> tuple[StepInfo, torch.Tensor, float]:
     loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
     sinfo = None
     for m in range(accum):
-        x, y = run.sampler.batch(step, m, d.rank, d.world_size, c.data.micro_batch_size, accum)
+        # the ranks of a sequence-parallel group get the same batch (the engine slices it)
+        sp = c.sequence.parallel
+        x, y = run.sampler.batch(step, m, d.rank // sp, d.world_size // sp,
+                                 c.data.micro_batch_size, accum)
         loss = eng(to_device(x, d.device), to_device(y, d.device))
         eng.backward(loss)
         sinfo = eng.step()

@@ -28,7 +28,7 @@ from zerotrain.comm.dist import (
     patient_barrier,
     pick_device,
 )
-from zerotrain.config import Config
+from zerotrain.config import Config, check_sequence_parallel
 from zerotrain.config.training import DEFAULT_WARMUP
 from zerotrain.data.dataset import (
     cached_shards,
@@ -105,7 +105,8 @@ class Run:
     @property
     def global_tokens(self) -> int:
         c = self.cfg
-        return (c.data.micro_batch_size * self.dist.world_size * c.data.grad_accum_steps
+        dp = self.dist.world_size // c.sequence.parallel  # SP groups share sequences
+        return (c.data.micro_batch_size * dp * c.data.grad_accum_steps
                 * c.model.block_size)
 
     def save(self, val_loss: float | None = None, loss_ok: bool | None = None) -> Path:
@@ -205,7 +206,9 @@ def load_data(cfg: Config, rank: int, world: int, drop_caches: bool = False) -> 
     train_src, val_src = load_splits(path, tok, d.val_fraction, d.text_field)
     T = model_cfg.block_size
     sampler = WindowSampler(train_src, T, cfg.train.seed)
-    val = eval_batches(val_src, T, rank, world, d.micro_batch_size, cfg.logging.eval_batches)
+    sp = cfg.sequence.parallel  # one sequence-parallel group is one data-parallel rank
+    val = eval_batches(val_src, T, rank // sp, world // sp, d.micro_batch_size,
+                       cfg.logging.eval_batches)
     summary = (f"[zerotrain] data: {describe(path, tok)}; {sampler.n_windows:,} training "
                f"windows of {T + 1} tokens") if rank == 0 else ""
     return Data(cfg, tok, sampler, val, summary, notes if rank == 0 else [])
@@ -216,6 +219,7 @@ def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
     (made here once: the ranks then find the tokenizer and token shards ready)."""
     pick_device(cfg.train.device, 0, local_world=world)
     check_weights(cfg.model)
+    check_sequence_parallel(cfg.sequence.parallel, world, seq_len=cfg.model.block_size)
     src = resolve_resume(cfg, resume)
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
     for line in data.notes:
@@ -258,6 +262,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if restart_count() > 0:  # restarted by the elastic agent: continue from the latest
         resume = "auto"
     src = resolve_resume(cfg, resume)  # the run folder's rules, before the model exists
+    check_sequence_parallel(cfg.sequence.parallel, info.world_size,
+                            seq_len=cfg.model.block_size)
     data = load_data(cfg, info.rank, info.world_size, drop_caches=drops_caches(cfg, src))
     cfg = data.cfg
     engine = build(cfg, info.device)
