@@ -38,15 +38,15 @@ from zerotrain.comm.dist import (
 from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
-from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
+from zerotrain.memory import PhasePeaks, phase_estimates
 from zerotrain.models import Group, Plan, plan_for
 from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32
 from zerotrain.numerics.scaler import LossScaler
-from zerotrain.optim import build_optimizer, is_elementwise, state_bytes_per_param
+from zerotrain.optim import build_optimizer, is_elementwise
 from zerotrain.optim.schedule import describe, lr_from_config, schedule_kwargs
-from zerotrain.zero import Strategy, strategy_class
+from zerotrain.zero import Strategy, build_strategy, run_shape
 from zerotrain.zero.state import WeightReader
 
 #: optimizer steps during which each phase's peak memory is measured
@@ -112,11 +112,10 @@ class Engine(DeepSpeedAPI):
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self.plan = plan or plan_for(model)
-        self.strategy: Strategy = strategy_class(config.zero)(
+        self.strategy: Strategy = build_strategy(
             model, self.plan, self.policy, self.comm, config.zero, self.device,
-            keep_shapes=not is_elementwise(config.optimizer.name), skip_init=weights is not None,
-            fp8_gather=config.precision.fp8.all_gather,
-        )
+            elementwise=is_elementwise(config.optimizer.name), pretrained=weights is not None,
+            fp8_gather=config.precision.fp8.all_gather)
         if weights is not None:
             self.strategy.load_weights(weights)
         # FP8 layers share the parameters the strategy just laid out (nothing moves); their
@@ -351,21 +350,12 @@ class Engine(DeepSpeedAPI):
 
     def memory_phases(self, activations: int = 0) -> dict[str, dict[str, int]]:
         """Peak memory of each phase seen so far, above the process's memory before the
-        engine existed, next to the memory model's prediction (`memory.phase_estimates`).
+        engine existed, next to the memory model's prediction: `memory.phase_estimates`
+        of `zero.run_shape`, the code path `zerotrain estimate` takes.
         `activations`: the model's saved activations, when the caller can count them."""
-        s, p = self.strategy, self.policy
-        k = state_bytes_per_param(self.config.optimizer.name, self.config.optimizer.momentum)
-        bpp = BytesPerParam(p.param_dtype.itemsize, p.grad_dtype.itemsize,
-                            p.master_dtype.itemsize if p.master_dtype else 0, k)
-        largest = max((u.numel for u in s.units), default=0)
-        widest = max((sl.numel for u in s.units for sl in u.slots), default=0)
-        predicted = phase_estimates(
-            s.buffer_numels(), self.world_size, s.stage, bpp, offload=s.offload,
-            largest_unit=largest, activations=activations,
-            reduce_bytes=p.reduce_dtype.itemsize, in_flight=s.max_in_flight,
-            prefetch=self.config.zero.prefetch, high_water=self.device.type == "cpu",
-            lazy_grads=self.device.type == "cpu",
-            init_piece=widest if self.plan.init is not None else None)
+        shape = run_shape(type(self.strategy), self.config, self.module, self.plan,
+                          self.device.type, self.world_size)
+        predicted = phase_estimates(shape, activations)
         base = self.phases.baseline
         measured = {k: v - base for k, v in self.phases.peaks.items()}
         return {"measured": measured, "predicted": {k: predicted[k] for k in measured}}
@@ -417,8 +407,8 @@ def initialize(model: nn.Module, config: Config | dict | str | Path | None = Non
     if launched_by_torchrun() and not torch.distributed.is_initialized():
         init_distributed(cfg.train.device, cfg.comm.backend, cfg.comm.timeout_s)
     engine = Engine(model, cfg, device)
-    if engine.rank == 0 and engine.strategy.muon is not None:
-        print(f"[zerotrain] {engine.strategy.muon.describe()}", flush=True)
+    for line in engine.strategy.describe() if engine.rank == 0 else []:
+        print(f"[zerotrain] {line}", flush=True)
     sched = cfg.schedule
     if engine.rank == 0 and (sched.kind != "constant" or sched.warmup_steps):
         lr = describe(cfg.optimizer.lr, cfg.train.steps, **schedule_kwargs(sched))

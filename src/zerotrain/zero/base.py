@@ -8,14 +8,17 @@ engine only calls:
     grad_norm_sq() -> scale_grads(f) -> optimizer_step(optimizer) -> after_step()
     -> zero_grad()
 
-(`optimizer_step` is attach_grads → optimizer.step → detach_grads, plus distributed
-Muon's matrix exchange when the stage shards a non-elementwise optimizer: zero/muon.py.)
+A strategy is composed from parts chosen once by `zero.build_strategy`: the `Partition`
+its units are cut across (zero/partition.py), the gradient store (`grads_class`:
+zero/grads.py, offload.HostGrads), the parameters' wire (zero/wire.py), where first
+values come from (zero/init.py) and the updater (zero/update.py: elementwise, unit by
+unit, or Muon's matrix owners). None of them is a flag the strategy branches on.
 
-Each stage file is a small subclass answering three questions — how parameters are cut
-into units (`make_units`), what to send when a unit's gradients are complete
-(`reduce_grads`), and how updated weights get back to every rank (`publish`) — and
-naming where gradients live (`grads_class`). Hooks, optimizer views, norms live here,
-once; the audit and checkpoint state in `zero/state.py`.
+Each stage file is a small subclass declaring what it shards (`shards`) and answering
+three questions — how parameters are cut into units (`cut`), what to send when a
+unit's gradients are complete (`reduce_grads`), and how updated weights get back to
+every rank (`publish`). Hooks, norms live here, once; the audit and checkpoint state in
+`zero/state.py`.
 """
 
 from __future__ import annotations
@@ -26,63 +29,65 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from zerotrain.comm.collectives import Comm, Handle
+from zerotrain.comm.collectives import Handle
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import foreach
-from zerotrain.zero.flat import NamedParams, Segment, bucket_params
+from zerotrain.zero.cut import UnitSpec, align_for, buckets, trainable
+from zerotrain.zero.flat import NamedParams, Segment
 from zerotrain.zero.grads import FullGrads
-from zerotrain.zero.muon import MuonOwners
+from zerotrain.zero.init import InitValues
+from zerotrain.zero.partition import Partition
 from zerotrain.zero.state import StrategyState
 from zerotrain.zero.unit import Unit
+from zerotrain.zero.update import Elementwise, Updater
+from zerotrain.zero.wire import PlainWire
+
+#: the model states a strategy can shard or offload (memory/ reads the same names)
+STATES = ("params", "grads", "master", "optimizer")
 
 
 class Strategy(StrategyState):
     name = "ddp"
     stage = 0
-    shards_optimizer = False  # ZeRO-1+: master weights and optimizer states are 1/N
-    shards_params = False     # ZeRO-3: parameters are 1/N between uses
-    offload = False           # Offload: master, gradient shard, optimizer states on host
+    shards: frozenset[str] = frozenset()    # model states kept 1/N per rank (of STATES)
+    offloads: frozenset[str] = frozenset()  # model states kept in host memory
     grads_class: type[FullGrads] = FullGrads
     unit_class: type[Unit] = Unit
 
-    def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: Comm,
-                 cfg: ZeroConfig, device: torch.device, keep_shapes: bool = False,
-                 skip_init: bool = False, fp8_gather: bool = False):
-        """`keep_shapes`: hand the optimizer one tensor per parameter with its real shape
-        (Muon needs matrices) instead of one flat run per (unit, group). `skip_init`:
-        meta parameters are left at zero (pretrained weights are loaded next)."""
-        self.model, self.plan, self.policy, self.comm, self.cfg = model, plan, policy, comm, cfg
+    def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, part: Partition,
+                 cfg: ZeroConfig, device: torch.device, *,
+                 updater: type[Updater] = Elementwise, init: InitValues | None = None,
+                 wire: PlainWire | None = None):
+        """The parts (`zero.build_strategy` chooses them): `updater`, how the optimizer
+        meets the master weights; `init`, where a meta unit's first values come from;
+        `wire`, how gathered parameters travel (ZeRO-3)."""
+        assert part.comm is not None, "a strategy talks to its partition's ranks"
+        self.model, self.plan, self.policy, self.cfg = model, plan, policy, cfg
+        self.part, self.comm = part, part.comm
         self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
-        self.keep_shapes, self.skip_init = keep_shapes, skip_init
-        self.fp8_gather = fp8_gather  # ZeRO-3: gather the plan's FP8 weights in FP8
+        self.init = init or InitValues(model, plan)
+        self.wire = wire or PlainWire()
         self.device = device
         self.host = torch.device("cpu") if self.offload else device
-        self.rank, self.world = comm.rank, comm.world_size
-        named = [(n, p, int(plan.group_of(n))) for n, p in model.named_parameters()
-                 if p.requires_grad]
+        self.rank, self.world = part.rank, part.world
+        named = trainable(model, plan)
         if not named:
             raise ValueError("the model has no trainable parameters")
         place_rest(model, device, policy.param_dtype, plan.init_buffers)
         self.grads = self.grads_class(policy.grad_dtype, device, self.host,
                                       **self.grads_options())
-        # Offload on a GPU: publish each unit as soon as the CPU has updated it
-        self.step_by_unit = self.offload and getattr(self.grads, "gpu", False)
-        # GPUs want 16-byte aligned parameters and shards; the CPU packs them end to end
-        align = 16 // policy.param_dtype.itemsize if device.type == "cuda" else 1
+        align = align_for(device.type, policy)
         self.units: list[Unit] = [
-            self.unit_class.build(i, name, ps, self.world, self.rank, align, **extra)
-            for i, (name, ps, extra) in enumerate(self.make_units(named))
+            self.unit_class.build(i, name, ps, part, align, **extra)
+            for i, (name, ps, extra) in enumerate(self.cut(model, plan, named, cfg, policy))
         ]
         for u in self.units:
             self.init_unit(u)
         self.init_done()
-        self.opt_segments: list[tuple[Segment, Tensor]] = self._optimizer_views()
-        # Muon above stage 0: every matrix is updated whole by one owner (zero/muon.py)
-        self.muon = MuonOwners(self) if keep_shapes and self.shards_optimizer else None
-        if self.muon is not None:
-            self.opt_segments = self.muon.optimizer_views(self.opt_segments)
+        self.updater = updater(self)
+        self.opt_segments: list[tuple[Segment, Tensor]] = self.updater.views()
         self._pending: list[tuple[Handle, Callable[[], None] | None]] = []
         self._communicate = True
         self._callback_queued = False
@@ -91,48 +96,44 @@ class Strategy(StrategyState):
             for i, s in enumerate(u.slots):
                 s.param.register_post_accumulate_grad_hook(self._hook(u, i))
 
+    # ================================================================ declarations
+    @property
+    def shards_optimizer(self) -> bool:  # ZeRO-1+: master weights and optimizer states 1/N
+        return "optimizer" in self.shards
+
+    @property
+    def shards_params(self) -> bool:  # ZeRO-3: parameters are 1/N between uses
+        return "params" in self.shards
+
+    @property
+    def offload(self) -> bool:  # Offload: master, gradient shard, optimizer states on host
+        return bool(self.offloads)
+
+    def describe(self) -> list[str]:
+        """Lines for the run's start about how this strategy was composed (empty: nothing
+        beyond the config to say)."""
+        line = self.updater.describe()
+        return [line] if line else []
+
     # ================================================================ stage questions
-    def make_units(self, named: NamedParams) -> list[tuple[str, NamedParams, dict]]:
-        """Stages 0–2: size-bounded buckets in reverse order (gradient readiness order).
-        Each entry: (unit name, its parameters, extra Unit fields)."""
-        numel = max(1, int(self.cfg.bucket_mb * 2**20 / self.policy.reduce_dtype.itemsize))
-        return [(f"bucket{i}", b, {}) for i, b in enumerate(bucket_params(named, numel))]
+    @classmethod
+    def cut(cls, model: nn.Module, plan: Plan, named: NamedParams, cfg: ZeroConfig,
+            policy: PrecisionPolicy) -> list[UnitSpec]:
+        """How parameters become units (zero/cut.py): stages 0–2, size-bounded buckets."""
+        return buckets(named, cfg, policy)
 
     def grads_options(self) -> dict:
         return {}
 
     def init_unit(self, u: Unit) -> None:
         """Move the unit's parameters into its flat buffer; give it gradients and master."""
-        u.materialize(self.policy.param_dtype, self.device, self.init_values)
+        u.materialize(self.policy.param_dtype, self.device, self.init.fill)
         self.grads.allocate(u)
         lo, hi = self.opt_range(u)
         u.master = self.master_for(u.params[lo:hi])
 
     def init_done(self) -> None:
         """Every unit is initialised (ZeRO-3 drops its scratch buffer here)."""
-
-    def init_values(self, u: Unit) -> None:
-        """Initial values of a unit built on the meta device, written into its buffer.
-
-        The plan's rule (`Plan.init`: a function of seed and name, so the values equal
-        the eagerly built model's), else each module's `reset_parameters()`. Skipped
-        when pretrained weights will fill the unit anyway (`self.skip_init`).
-        """
-        if self.skip_init:
-            return
-        if self.plan.init is not None:
-            for s in u.slots:
-                self.plan.init(s.name, s.param.data)
-            return
-        mine = {id(s.param) for s in u.slots}
-        for m in self.model.modules():
-            if any(id(p) in mine for p in m.parameters(recurse=False)):
-                reset = getattr(m, "reset_parameters", None)
-                if reset is None:
-                    raise ValueError(f"module {type(m).__name__} was built on the meta device "
-                                     "but has no reset_parameters() and the model's plan "
-                                     "gives no init rule; build it on a real device")
-                reset()
 
     def reduce_grads(self, u: Unit) -> None:
         """The unit's gradients are complete on this rank: start their reduction."""
@@ -170,27 +171,13 @@ class Strategy(StrategyState):
         if u.master.data_ptr() != dst.data_ptr():
             dst.copy_(u.master, non_blocking=True)
 
-    def _optimizer_views(self) -> list[tuple[Segment, Tensor]]:
-        # One flat run per (unit, group) unless shapes are asked for: an elementwise rule
-        # then makes a few long calls instead of one short call per parameter.
-        out = []
-        for u in self.units:
-            lo, hi = self.opt_range(u)
-            for seg in u.segments(lo, hi, per_param=self.keep_shapes):
-                view = u.master[seg.start - lo:seg.end - lo]
-                if seg.param is not None:
-                    view = view.view(seg.param.shape)
-                out.append((seg, view))
-        # Optimizer index order = group order (see param_groups); checkpoints rely on it.
-        return sorted(out, key=lambda sv: sv[0].group)
-
     def param_groups(self, options: dict[int, dict]) -> list[dict]:
         """Optimizer groups over the master views, with each group id's hyper-parameters."""
         groups: dict[int, list[Tensor]] = {}
         for seg, view in self.opt_segments:
             groups.setdefault(seg.group, []).append(view)
         out = [{"params": ps, **options[g], "group_id": g} for g, ps in sorted(groups.items())]
-        return self.muon.param_groups(out, options) if self.muon is not None else out
+        return self.updater.param_groups(out, options)
 
     # ================================================================ gradient hooks
     def _hook(self, u: Unit, i: int) -> Callable[[Tensor], None]:
@@ -292,48 +279,30 @@ class Strategy(StrategyState):
             view.grad = None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Update the master weights from the owned (unscaled, clipped) gradients.
-
-        `step_by_unit` (Offload on a GPU): the optimizer steps one unit at a time and each
-        unit is published as soon as it is updated, so its host-to-device copy (and, below
-        ZeRO-3, its all-gather) runs while the CPU updates the next unit — the same
-        elementwise update, so the same numbers, in pieces.
+        """Update the master weights from the owned (unscaled, clipped) gradients, the
+        updater's way (zero/update.py).
 
         The optimizer's first-step hook (the compile vote, a collective) runs here first,
         on every rank: inside the first `optimizer.step()` it would come after unit 0's
-        publish on a rank whose share of unit 0 is all padding (no step for it) and
-        before it on the others — collectives in different orders, a hang on NCCL."""
+        publish on a rank whose share of unit 0 is all padding (no step for it, unit by
+        unit) and before it on the others — collectives in different orders, a hang on
+        NCCL."""
         hook = getattr(optimizer, "before_first_step", None)
         if hook is not None:
             optimizer.before_first_step = None
             hook()
-        if self.muon is not None:
-            self.muon.step(optimizer)
-            return
-        if not self.step_by_unit:
-            self.attach_grads()
-            optimizer.step()
-            self.detach_grads()
-            return
-        by_unit: dict[int, list[tuple[Segment, Tensor]]] = {}
-        for seg, view in self.opt_segments:
-            by_unit.setdefault(seg.unit, []).append((seg, view))
-        for u in self.units:
-            if u.index in by_unit:
-                self.attach_grads(by_unit[u.index])
-                optimizer.step()
-                self.detach_grads()
-            self.publish(u)
+        self.updater.step(optimizer)
 
     def after_step(self) -> None:
-        if not self.step_by_unit or self.muon is not None:  # else: published in the step
+        if not self.updater.publishes:  # else: published unit by unit in the step
             for u in self.units:
                 self.publish(u)
         self.wait_pending()
         self.after_publish()
 
     def after_publish(self) -> None:
-        """Every rank holds the new weights (ZeRO-3 re-packs its FP8 gathers here)."""
+        """Every rank holds the new weights: the wire re-packs what gathers send."""
+        self.wire.refresh(self.units, self.comm)
 
     def zero_grad(self) -> None:
         self.grads.clear(self.units)

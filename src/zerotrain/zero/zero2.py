@@ -17,6 +17,7 @@ from zerotrain.zero.zero1 import ZeRO1
 class ZeRO2(ZeRO1):
     name = "zero2"
     stage = 2
+    shards = frozenset({"grads", "master", "optimizer"})
     grads_class = ShardedGrads
 
     def grads_options(self) -> dict:

@@ -23,9 +23,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from zerotrain.models.plan import unit_members
+from zerotrain.config import ZeroConfig
+from zerotrain.models.plan import Plan
+from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams
-from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
 from zerotrain.zero.unit import ShardedUnit
 from zerotrain.zero.zero2 import ZeRO2
 
@@ -38,7 +40,7 @@ def in_backward() -> bool:
 class ZeRO3(ZeRO2):
     name = "zero3"
     stage = 3
-    shards_params = True
+    shards = frozenset({"params", "grads", "master", "optimizer"})
     unit_class = ShardedUnit
     units: list[ShardedUnit]
 
@@ -50,17 +52,14 @@ class ZeRO3(ZeRO2):
             assert u.module is not None
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
-        if self.fp8_gather:
-            names = {f"{m}.weight" for m in self.plan.fp8_linears}
-            for u in self.units:
-                if not u.persistent and any(s.name in names for s in u.slots):
-                    u.wire = Fp8Wire(u, names, self.policy.param_dtype.itemsize)
-            self.after_publish()
+        self.wire.attach(self.units, self.policy.param_dtype.itemsize)
+        self.after_publish()  # the wire packs the first gathers' bytes
 
-    def make_units(self, named: NamedParams) -> list[tuple[str, NamedParams, dict]]:
+    @classmethod
+    def cut(cls, model: nn.Module, plan: Plan, named: NamedParams, cfg: ZeroConfig,
+            policy: PrecisionPolicy) -> list[UnitSpec]:
         """The plan's blocks, plus a root unit for everything else."""
-        return [(name, ps, {"module": m})
-                for name, ps, m in unit_members(self.model, self.plan, named)]
+        return blocks(model, plan, named)
 
     def init_unit(self, u: ShardedUnit) -> None:
         lo, hi = u.shard_range
@@ -68,7 +67,7 @@ class ZeRO3(ZeRO2):
         if self.by_parameter(u):
             u.shard = self.init_shard(u)
         else:
-            u.materialize(self.policy.param_dtype, self.device, self.init_values)
+            u.materialize(self.policy.param_dtype, self.device, self.init.fill)
             # A persistent unit keeps its full buffer, so its shard can be a view of it.
             u.shard = u.params[lo:hi] if u.persistent else u.params[lo:hi].clone()
         self.grads.allocate(u)
@@ -85,7 +84,7 @@ class ZeRO3(ZeRO2):
         parameter at a time, straight into this rank's shard: the full unit never exists
         at init (a persistent unit keeps its full buffer anyway; `reset_parameters()` and
         pretrained loading fill whole modules or slices, so they take the unit path)."""
-        return (not u.persistent and self.plan.init is not None and not self.skip_init
+        return (not u.persistent and self.init.per_name
                 and all(s.param.device.type == "meta" for s in u.slots))
 
     def init_shard(self, u: ShardedUnit) -> Tensor:
@@ -159,11 +158,6 @@ class ZeRO3(ZeRO2):
         for u in self.units:
             u.reshard()
             u.gathered_for_backward = False
-
-    def after_publish(self) -> None:
-        if self.fp8_gather:
-            with torch.no_grad():
-                refresh_all(self.units, self.comm)
 
     def publish(self, u: ShardedUnit) -> None:
         self.write_master_into(u, u.shard)
