@@ -16,6 +16,7 @@ from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.base import Strategy
+from zerotrain.zero.build import build_units, make_grads
 from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
 from zerotrain.zero.init import InitValues
@@ -59,9 +60,12 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     wire = PlainWire()
     if fp8_gather and "params" in cls.shards:
         wire = Fp8Gather(frozenset(f"{m}.weight" for m in plan.fp8_linears))
-    return cls(model, plan, policy, Partition.of(comm), cfg, device,
-               updater=choose_updater(cls, elementwise, device),
-               init=InitValues(model, plan, skip=pretrained), wire=wire)
+    part = Partition.of(comm)
+    grads = make_grads(cls, policy, device, cfg.in_flight(device.type))
+    units = build_units(cls, model, plan, policy, part, cfg, device,
+                        InitValues(model, plan, skip=pretrained), grads)
+    return cls(model, plan, policy, part, cfg, device, units, grads,
+               updater=choose_updater(cls, elementwise, device), wire=wire)
 
 
 __all__ = ["DDP", "STRATEGIES", "Partition", "Strategy", "ZeRO1", "ZeRO2", "ZeRO2Offload",

@@ -17,8 +17,9 @@ unit, or Muon's matrix owners). None of them is a flag the strategy branches on.
 Each stage file is a small subclass declaring what it shards (`shards`) and answering
 three questions — how parameters are cut into units (`cut`), what to send when a
 unit's gradients are complete (`reduce_grads`), and how updated weights get back to
-every rank (`publish`). Hooks, norms live here, once; the audit and checkpoint state in
-`zero/state.py`.
+every rank (`publish`). Hooks and norms live here, once; checkpoint state in
+`zero/state.py`, the memory audit in `zero/audit.py`; the units arrive finished from
+`zero/build.py`.
 """
 
 from __future__ import annotations
@@ -34,58 +35,39 @@ from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import foreach
-from zerotrain.zero.cut import UnitSpec, align_for, buckets, trainable
+from zerotrain.zero.cut import UnitSpec, buckets
 from zerotrain.zero.flat import NamedParams, Segment
 from zerotrain.zero.grads import FullGrads
-from zerotrain.zero.init import InitValues
 from zerotrain.zero.partition import Partition
 from zerotrain.zero.state import StrategyState
 from zerotrain.zero.unit import Unit
 from zerotrain.zero.update import Elementwise, Updater
 from zerotrain.zero.wire import PlainWire
 
-#: the model states a strategy can shard or offload (memory/ reads the same names)
-STATES = ("params", "grads", "master", "optimizer")
-
 
 class Strategy(StrategyState):
     name = "ddp"
     stage = 0
-    shards: frozenset[str] = frozenset()    # model states kept 1/N per rank (of STATES)
+    shards: frozenset[str] = frozenset()    # model states kept 1/N (of memory.FIELDS)
     offloads: frozenset[str] = frozenset()  # model states kept in host memory
     grads_class: type[FullGrads] = FullGrads
     unit_class: type[Unit] = Unit
 
     def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, part: Partition,
-                 cfg: ZeroConfig, device: torch.device, *,
-                 updater: type[Updater] = Elementwise, init: InitValues | None = None,
-                 wire: PlainWire | None = None):
-        """The parts (`zero.build_strategy` chooses them): `updater`, how the optimizer
-        meets the master weights; `init`, where a meta unit's first values come from;
-        `wire`, how gathered parameters travel (ZeRO-3)."""
+                 cfg: ZeroConfig, device: torch.device, units: list[Unit], grads: FullGrads,
+                 *, updater: type[Updater] = Elementwise, wire: PlainWire | None = None):
+        """Finished `units` and their gradient store `grads` (zero/build.py makes both),
+        and the parts `zero.build_strategy` chose: `updater`, how the optimizer meets the
+        master weights; `wire`, how gathered parameters travel (ZeRO-3)."""
         assert part.comm is not None, "a strategy talks to its partition's ranks"
         self.model, self.plan, self.policy, self.cfg = model, plan, policy, cfg
         self.part, self.comm = part, part.comm
         self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
-        self.init = init or InitValues(model, plan)
         self.wire = wire or PlainWire()
         self.device = device
-        self.host = torch.device("cpu") if self.offload else device
+        self.host = grads.host
         self.rank, self.world = part.rank, part.world
-        named = trainable(model, plan)
-        if not named:
-            raise ValueError("the model has no trainable parameters")
-        place_rest(model, device, policy.param_dtype, plan.init_buffers)
-        self.grads = self.grads_class(policy.grad_dtype, device, self.host,
-                                      **self.grads_options())
-        align = align_for(device.type, policy)
-        self.units: list[Unit] = [
-            self.unit_class.build(i, name, ps, part, align, **extra)
-            for i, (name, ps, extra) in enumerate(self.cut(model, plan, named, cfg, policy))
-        ]
-        for u in self.units:
-            self.init_unit(u)
-        self.init_done()
+        self.grads, self.units = grads, units
         self.updater = updater(self)
         self.opt_segments: list[tuple[Segment, Tensor]] = self.updater.views()
         self._pending: list[tuple[Handle, Callable[[], None] | None]] = []
@@ -122,18 +104,10 @@ class Strategy(StrategyState):
         """How parameters become units (zero/cut.py): stages 0–2, size-bounded buckets."""
         return buckets(named, cfg, policy)
 
-    def grads_options(self) -> dict:
+    @classmethod
+    def grads_options(cls, policy: PrecisionPolicy, in_flight: int) -> dict:
+        """Extra arguments of `grads_class` (ZeRO-2+: its bucket dtype and pool)."""
         return {}
-
-    def init_unit(self, u: Unit) -> None:
-        """Move the unit's parameters into its flat buffer; give it gradients and master."""
-        u.materialize(self.policy.param_dtype, self.device, self.init.fill)
-        self.grads.allocate(u)
-        lo, hi = self.opt_range(u)
-        u.master = self.master_for(u.params[lo:hi])
-
-    def init_done(self) -> None:
-        """Every unit is initialised (ZeRO-3 drops its scratch buffer here)."""
 
     def reduce_grads(self, u: Unit) -> None:
         """The unit's gradients are complete on this rank: start their reduction."""
@@ -148,20 +122,6 @@ class Strategy(StrategyState):
     def opt_range(self, u: Unit) -> tuple[int, int]:
         """The slice of the unit's flat coordinates this rank's optimizer updates."""
         return u.shard_range if self.shards_optimizer else (0, u.padded_numel)
-
-    def master_for(self, own: Tensor) -> Tensor:
-        """The optimizer's copy of the weights in `own`: a separate FP32 (or host) tensor
-        in mixed precision or Offload; otherwise `own` itself — the parameters are their
-        own master (fp32, bf16-pure)."""
-        if self.policy.has_master or self.offload:
-            master = self.host_zeros(own.numel(), self.policy.master_dtype or own.dtype)
-            master.copy_(own)
-            return master
-        return own
-
-    def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """Zeros where the optimizer's states live (the device, or the host under Offload)."""
-        return torch.zeros(numel, dtype=dtype, device=self.host)
 
     def fence_master(self, u: Unit) -> None:
         """Before the host writes `u.master` (or what its publish reads): wait for the
@@ -315,29 +275,3 @@ class Strategy(StrategyState):
     def close(self) -> None:
         self.comm.close()
 
-
-def place_rest(model: nn.Module, device: torch.device, dtype: torch.dtype,
-               init_buffers: Callable[[nn.Module], None] | None = None) -> None:
-    """Move what the units do not own — buffers and frozen parameters — to the device
-    (floating ones in the compute dtype), without touching trainable parameters.
-    Buffers of a meta-device model are made on the device and filled by `init_buffers`."""
-    fresh = []
-    with torch.no_grad():
-        for m in model.modules():
-            for name, b in m.named_buffers(recurse=False):
-                if b is None:
-                    continue
-                cast = dtype if b.is_floating_point() else None
-                if b.device.type == "meta":
-                    m._buffers[name] = torch.empty_like(b, device=device, dtype=cast)
-                    fresh.append(m)
-                else:
-                    m._buffers[name] = b.to(device, cast)
-            for p in m.parameters(recurse=False):
-                if not p.requires_grad:
-                    p.data = p.data.to(device, dtype if p.is_floating_point() else None)
-    for m in dict.fromkeys(fresh):
-        if init_buffers is None:
-            raise ValueError(f"{type(m).__name__} has buffers on the meta device and the model's "
-                             "plan cannot make them (Plan.init_buffers); build it on a real device")
-        init_buffers(m)

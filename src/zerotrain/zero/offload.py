@@ -181,13 +181,6 @@ class OffloadMixin:
         u.published = torch.cuda.Event()
         u.published.record(torch.cuda.current_stream(self.device))
 
-    def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
-        if not self.grads.gpu:
-            return super().host_zeros(numel, dtype)
-        t = host_buffer(numel, dtype, True)
-        self.grads.registered.append(t)
-        return t
-
     def fence_master(self, u: Unit) -> None:
         if u.published is not None:
             u.published.synchronize()
