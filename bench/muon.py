@@ -67,6 +67,7 @@ def run_system(model: str, system: str, steps: int, warmup: int) -> dict[str, An
     from zerotrain.config import build_config
     from zerotrain.engine import Engine
     from zerotrain.models import build_model
+    from zerotrain.zero.muon import MatrixOwners
 
     stage, method = SYSTEMS[system]
     cfg = build_config(_config(model, stage))
@@ -74,7 +75,7 @@ def run_system(model: str, system: str, steps: int, warmup: int) -> dict[str, An
     eng = Engine(build_model(cfg.model), cfg, torch.device("cpu"))
     s = eng.strategy
     if method is not None:
-        s.muon.method = method
+        s.updater.method = method
     times: list[float] = []
     cpu: list[float] = []
     step_fn = s.optimizer_step
@@ -99,10 +100,10 @@ def run_system(model: str, system: str, steps: int, warmup: int) -> dict[str, An
            "total_bytes": total_bytes[warmup:],
            "params": sum(p.numel() for p in eng.module.parameters())}
     out["predicted_bytes"] = 0
-    if s.muon is not None:
+    if isinstance(s.updater, MatrixOwners):
         from zerotrain.memory import muon_traffic
 
-        summary = s.muon.summary()
+        summary = s.updater.summary()
         out.update(shares=summary["shares"], matrices=summary["matrices"],
                    straddling=len(summary["straddling"]))
         if method == "all_to_all":  # the model of the chosen scheme, this rank's bytes

@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from zerotrain.zero.flat import FlatUnit, bucket_params, gather_range
+from zerotrain.zero.cut import bucket_params
+from zerotrain.zero.flat import FlatUnit, gather_range
+from zerotrain.zero.partition import Partition
 
 
 def _named(*specs: tuple[str, tuple[int, ...], int]) -> list:
@@ -23,7 +25,7 @@ SPECS = (("a", (3, 4), 0), ("b", (5,), 1), ("c", (2, 3), 0), ("d", (7,), 1))
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_padding_and_shards(world):
-    u = FlatUnit.build(0, "u", _named(*SPECS), world, rank=world - 1)
+    u = FlatUnit.build(0, "u", _named(*SPECS), Partition(world, world - 1))
     assert u.numel == 12 + 5 + 6 + 7
     assert u.padded_numel % world == 0 and u.padded_numel - u.numel < world
     assert u.shard_numel * world == u.padded_numel
@@ -31,13 +33,13 @@ def test_padding_and_shards(world):
 
 
 def test_parameters_ordered_by_group_then_model_order():
-    u = FlatUnit.build(0, "u", _named(*SPECS), 1, 0)
+    u = FlatUnit.build(0, "u", _named(*SPECS), Partition(1, 0))
     assert [s.name for s in u.slots] == ["a", "c", "b", "d"]
     assert [s.offset for s in u.slots] == [0, 12, 18, 23]
 
 
 def test_segments_merge_by_group_or_cut_per_parameter():
-    u = FlatUnit.build(0, "u", _named(*SPECS), 1, 0)
+    u = FlatUnit.build(0, "u", _named(*SPECS), Partition(1, 0))
     merged = u.segments(0, u.padded_numel)
     assert [(s.group, s.start, s.end) for s in merged] == [(0, 0, 18), (1, 18, 30)]
     per = u.segments(0, u.padded_numel, per_param=True)
@@ -50,7 +52,7 @@ def test_segments_merge_by_group_or_cut_per_parameter():
 
 
 def test_alignment():
-    u = FlatUnit.build(0, "u", _named(*SPECS), 2, 0, align=4)
+    u = FlatUnit.build(0, "u", _named(*SPECS), Partition(2, 0), align=4)
     assert all(s.offset % 4 == 0 for s in u.slots)
     assert [s.offset for s in u.slots] == [0, 12, 20, 28]
     assert u.shard_numel % 4 == 0 and u.padded_numel == 2 * u.shard_numel >= u.numel
@@ -69,7 +71,7 @@ def test_buckets_in_reverse_order_bounded_in_size():
 def test_gather_range_reassembles_any_cut():
     full = {"a": torch.arange(12.0).view(3, 4), "b": torch.arange(100.0, 105.0)}
     u = FlatUnit.build(0, "u", [("a", nn.Parameter(full["a"]), 0),
-                                ("b", nn.Parameter(full["b"]), 0)], 3, 0)
+                                ("b", nn.Parameter(full["b"]), 0)], Partition(3, 0))
 
     def read(name, a, b):
         return full[name].reshape(-1)[a:b]

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from simdevice import SIM, SimDevice, SimTensor
+from zerotrain.zero.muon import MatrixOwners
+from zerotrain.zero.update import UnitByUnit
 
 # ----------------------------------------------------------------------------- stand-in
 
@@ -80,13 +82,14 @@ def test_fp8_refresh_at_two_ranks_on_a_device():
     stacked device amaxes with a CPU zero for the others, which CUDA refuses."""
     from zerotrain.zero.flat import FlatUnit
     from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.partition import Partition
 
     g = torch.Generator().manual_seed(0)
     a, b = (nn.Parameter(torch.randn(64, 64, generator=g)) for _ in range(2))
     named = [("blk.q.weight", a, 0), ("blk.o.weight", b, 0)]
     packed = {}
     for dev in ("cpu", "meta"):
-        u = FlatUnit.build(0, "blk", named, world_size=2, rank=0, align=8)
+        u = FlatUnit.build(0, "blk", named, Partition(2, 0), align=8)
         u.wire = Fp8Wire(u, {"blk.q.weight", "blk.o.weight"}, 2)
         full = torch.cat([a.detach().flatten(), b.detach().flatten()]).bfloat16()
         lo, hi = u.shard_range
@@ -205,7 +208,7 @@ def _first_unit_is_padding_here(eng) -> list[str]:
     padding (no optimizer segments there, as for a unit smaller than the world); record
     every collective and optimizer step in order."""
     s, comm, order = eng.strategy, eng.comm, []
-    s.step_by_unit = True
+    s.updater = UnitByUnit(s)
     if s.rank == 1:
         s.opt_segments = [sv for sv in s.opt_segments if sv[0].unit != 0]
     collective, step = comm._collective, eng.optimizer.step
@@ -291,7 +294,7 @@ class _PublishEvent:
 
 
 def test_muon_offload_fences_every_unit_before_writing_its_master():
-    """N7: under Muon + Offload the CPU writes matrix slices in `MuonOwners.apply`; a
+    """N7: under Muon + Offload the CPU writes matrix slices in `MatrixOwners.apply`; a
     unit holding only matrices has no elementwise segment, so `attach_grads` never
     waited for its last publish copy. Every unit's fence must come before its write."""
     from zerotrain.engine import Engine
@@ -305,9 +308,9 @@ def test_muon_offload_fences_every_unit_before_writing_its_master():
     torch.manual_seed(0)
     eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
     s = eng.strategy
-    assert s.offload and s.muon is not None
+    assert s.offload and isinstance(s.updater, MatrixOwners)
     matrix_only = [u.index for u in s.units
-                   if u.index not in {seg.unit for seg, _ in s.muon.elementwise}]
+                   if u.index not in {seg.unit for seg, _ in s.updater.elementwise}]
     assert matrix_only, "the test needs a unit that holds matrices only"
     log: list = []
     for X, Y in batches(1):
@@ -600,12 +603,13 @@ def test_zero3_cuda_init_bound_by_hand():
     the block out whole, and the never-zeroed gradient shard is resident too. Mixed
     precision, N = 2, units of 10 and 6 elements (shards 5 + 3 = 8), widest parameter 4:
     params 2·8 + grads 2·8 + master 4·8 = 64 bytes before Adam's states exist."""
-    from zerotrain.memory import BytesPerParam, phase_estimates
+    from zerotrain.memory import BytesPerParam, RunShape, phase_estimates
 
     mixed = BytesPerParam(params=2, grads=2, master=4, optimizer=8)
-    cuda = phase_estimates([10, 6], 2, 3, mixed, largest_unit=10, init_piece=4)
-    cpu = phase_estimates([10, 6], 2, 3, mixed, largest_unit=10, init_piece=4,
-                          lazy_grads=True)
+    cuda = phase_estimates(RunShape.for_stage([10, 6], 2, 3, mixed, largest_unit=10,
+                                              init_piece=4))
+    cpu = phase_estimates(RunShape.for_stage([10, 6], 2, 3, mixed, largest_unit=10,
+                                             init_piece=4, lazy_grads=True))
     assert cuda["init"] == 64 + 2 * 4 + 2 * 10  # + scratch parameter + one unit buffer
     assert cpu["init"] == 64 - 16 + 2 * 4      # no gradient shard, no unit buffer pages
     assert cuda["step"] == cpu["step"]
@@ -760,10 +764,11 @@ def test_fp8_refresh_with_cuda_shards_at_two_ranks():
     """N1 on the real device: the CPU stand-in's verdict, checked against CUDA itself."""
     from zerotrain.zero.flat import FlatUnit
     from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.partition import Partition
 
     a, b = (nn.Parameter(torch.randn(64, 64)) for _ in range(2))
     u = FlatUnit.build(0, "blk", [("blk.q.weight", a, 0), ("blk.o.weight", b, 0)],
-                       world_size=2, rank=0, align=8)
+                       Partition(2, 0), align=8)
     u.wire = Fp8Wire(u, {"blk.q.weight", "blk.o.weight"}, 2)
     u.shard = torch.zeros(u.shard_numel, dtype=torch.bfloat16, device="cuda")
     refresh_all([u], _HostComm())

@@ -16,6 +16,7 @@ import torch
 from zerotrain.config import build_config
 from zerotrain.numerics.precision import apply_tf32, matmul_precision
 from zerotrain.optim import AdamW, batching, foreach
+from zerotrain.zero.update import UnitByUnit
 
 from multirank import run_ranks
 
@@ -222,7 +223,7 @@ def _by_unit(eng) -> dict:
     """Probe: switch the strategy to Offload-on-GPU's unit-by-unit step, and count the
     optimizer steps and publishes each training step makes, in order."""
     s = eng.strategy
-    s.step_by_unit = True
+    s.updater = UnitByUnit(s)
     calls: list[str] = []
     step, publish = eng.optimizer.step, s.publish
     eng.optimizer.step = lambda *a, **k: (calls.append("step"), step(*a, **k))[1]

@@ -249,3 +249,24 @@ def test_checker_finds_a_lazy_cycle(tmp_path):
                                     "zerotrain.run.lr_find", "zerotrain"])
 def test_app_layer(module):
     assert layer(module) == APP
+
+
+# ----------------------------------------------------------------------------- sizes
+#: the project's size rule: a module fits one reading, a function one screen
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def test_no_file_over_400_lines_and_no_function_over_60():
+    long_files, long_functions = [], []
+    for path in sorted((SRC / "zerotrain").rglob("*.py")):
+        text = path.read_text()
+        shown = path.relative_to(SRC.parent)
+        if text.count("\n") > MAX_FILE_LINES:
+            long_files.append(f"{shown}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{shown}:{node.lineno} {node.name}: {n} lines")
+    assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"

@@ -14,17 +14,27 @@ from zerotrain.config import build_config
 from zerotrain.memory import (
     CPU_BASELINE_BYTES,
     BytesPerParam,
+    RunShape,
     bucket_pool_numel,
     phase_estimates,
     steady_peak,
 )
 from zerotrain.zero.grads import ShardedGrads
+from zerotrain.zero.partition import Partition
 from zerotrain.zero.unit import Unit
 
 from multirank import run_ranks
 
 FP32_ADAMW = BytesPerParam(params=4, grads=4, master=0, optimizer=8)
 MIXED_ADAMW = BytesPerParam(params=2, grads=2, master=4, optimizer=8)
+
+
+def phases_of(numels, world, stage, bpp, *, activations=0, offload=False, largest_param=0,
+              **fields):
+    """`phase_estimates` of a shape by stage number (the hand cases below)."""
+    return phase_estimates(RunShape.for_stage(numels, world, stage, bpp, offload=offload,
+                                              widest_param=largest_param, **fields),
+                           activations)
 
 
 # ----------------------------------------------------------------------------- by hand
@@ -34,7 +44,7 @@ def test_stage0_by_hand():
     # buffers of 10 and 6 elements, fp32 AdamW, N = 2: nothing sharded.
     # states: params 4·16 + grads 4·16 + Adam 8·16 = 256; save adds this rank's shard
     # (5 + 3 elements) of Adam 8·8 and params 4·8.
-    got = phase_estimates([10, 6], 2, 0, FP32_ADAMW, activations=7, largest_param=3)
+    got = phases_of([10, 6], 2, 0, FP32_ADAMW, activations=7, largest_param=3)
     assert got == {"init": 128,                # no Adam states before the first step
                    "forward": 256 + 7,
                    "backward": 256 + 7 + 3 * 4,  # + autograd's fresh gradient of 3 elements
@@ -44,7 +54,7 @@ def test_stage0_by_hand():
 def test_stage2_by_hand_with_pool_runtime_and_retention():
     # N = 2: params full 4·16 = 64; grads 4·8 = 32, Adam 8·8 = 64 → states 160.
     # pool: buckets of 10 and 6 (fp32) both alive in one backward → 16·4 = 64.
-    got = phase_estimates([10, 6], 2, 2, FP32_ADAMW, runtime=20, retention=0.5)
+    got = phases_of([10, 6], 2, 2, FP32_ADAMW, runtime=20, retention=0.5)
     assert got == {"init": 96, "forward": int(1.5 * (160 + 64 + 20)),
                    "backward": int(1.5 * (160 + 64 + 20)), "step": int(1.5 * (160 + 64 + 20)),
                    "save": int(1.5 * (160 + 64 + 20 + 64 + 32))}  # Adam + owned params
@@ -54,23 +64,23 @@ def test_stage3_by_hand():
     # mixed precision, N = 2, units of 10 and 6 (shards 5 and 3 = 8 elements):
     # params 2·8, grads 2·8, master 4·8, Adam 8·8 → 128; unit 10 in bf16 = 20 bytes,
     # gathered with prefetch 40; pool: buckets of 10 and 6 in fp32 reduce → 64.
-    got = phase_estimates([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, activations=5)
+    got = phases_of([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, activations=5)
     assert got["init"] == 128 - 64 + 20
     assert got["forward"] == 128 + 64 + 40 + 5
     assert got["step"] == 128 + 64
     assert got["save"] == 128 + 64 + 4 * 8 + 8 * 8  # master and Adam serialised
-    no_prefetch = phase_estimates([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, prefetch=False)
+    no_prefetch = phases_of([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, prefetch=False)
     assert no_prefetch["forward"] == 128 + 64 + 20
     # on a CPU the never-zeroed gradient shard (2·8 bytes) is not resident at init
-    lazy = phase_estimates([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, lazy_grads=True)
+    lazy = phases_of([10, 6], 2, 3, MIXED_ADAMW, largest_unit=10, lazy_grads=True)
     assert lazy["init"] == 128 - 64 - 16 + 20 and lazy["step"] == got["step"]
 
 
 def test_offload_fp32_keeps_a_separate_master_and_high_water_is_monotone():
-    live = phase_estimates([10, 6], 2, 3, FP32_ADAMW, offload=True, largest_unit=10)
+    live = phases_of([10, 6], 2, 3, FP32_ADAMW, offload=True, largest_unit=10)
     # params 32, grads 32, a host master 32 (fp32 has none on the device), Adam 64
     assert live["step"] == 160 + 64 and live["init"] == 96 + 40
-    hw = phase_estimates([10, 6], 2, 3, FP32_ADAMW, offload=True, largest_unit=10,
+    hw = phases_of([10, 6], 2, 3, FP32_ADAMW, offload=True, largest_unit=10,
                          activations=10_000, high_water=True)
     values = list(hw.values())
     assert values == sorted(values) and hw["save"] == hw["forward"]
@@ -92,7 +102,7 @@ def test_bucket_pool_replay_matches_the_real_pool(sizes, in_flight):
     pending: list[Unit] = []
     for i, n in enumerate(sizes):
         u = Unit.build(i, f"u{i}", [(f"p{i}", torch.nn.Parameter(torch.zeros(n)), 0)],
-                       world, 0)
+                       Partition(world, 0))
         u.params = torch.zeros(u.padded_numel)
         made.add(grads.target(u).data_ptr())
         pending.append(u)

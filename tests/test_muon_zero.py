@@ -33,7 +33,7 @@ import torch.distributed as dist
 from zerotrain.comm.collectives import Comm
 from zerotrain.config import deep_merge
 from zerotrain.memory import muon_state_bytes, muon_traffic, traffic_per_step
-from zerotrain.zero.muon import assign_owners, ns_cost
+from zerotrain.zero.muon import MatrixOwners, assign_owners, ns_cost
 
 from multirank import run_ranks
 from zero_harness import rel_err, run_many, train_tiny
@@ -119,18 +119,18 @@ def probe(eng) -> dict:
         return info
 
     eng.step = stepped
-    if s.muon is not None and s.stage == 1:
-        gather = s.muon.gather_grads
+    if isinstance(s.updater, MatrixOwners) and s.stage == 1:
+        gather = s.updater.gather_grads
 
         def gathered():
             full = gather()
-            for m, g in zip(s.muon.owned, full):
+            for m, g in zip(s.updater.owned, full):
                 if m.straddles:
                     local = s.units[m.unit].grad[m.slot.offset:m.slot.end].view_as(g)
                     rec["naive_gap"].append(float((local - g).norm() / g.norm()))
             return full
 
-        s.muon.gather_grads = gathered
+        s.updater.gather_grads = gathered
     return rec
 
 

@@ -95,7 +95,7 @@ def train_tiny(overrides: dict, steps: int = 20, seed: int = 0, model_fn=None,
            "memory": mem, "buffer_numels": eng.strategy.buffer_numels(),
            "numel": sum(p.numel() for p in eng.module.parameters()),
            "skipped": eng.scaler.skipped, "probe": probed,
-           "muon": eng.strategy.muon.summary() if getattr(eng.strategy, "muon", None) else None}
+           "muon": eng.strategy.updater.summary()}
     eng.close()
     return res
 

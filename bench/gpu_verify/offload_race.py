@@ -95,7 +95,7 @@ def run_case(over: dict, device: str, steps: int) -> dict:
             eng.step()
             losses.append(loss.detach())
     s = eng.strategy
-    facts = {"step_by_unit": getattr(s, "step_by_unit", None), "units": len(s.units),
+    facts = {"step_by_unit": type(s.updater).__name__ == "UnitByUnit", "units": len(s.units),
              "pinned": all(u.master.is_pinned() for u in s.units)
              if s.offload and device == "cuda" else None}
     out = {"losses": [float(v) for v in losses],

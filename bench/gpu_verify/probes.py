@@ -219,6 +219,7 @@ def p_n1(dev: torch.device) -> None:
 
     from zerotrain.zero.flat import FlatUnit
     from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.partition import Partition
 
     name = "N1: ZeRO-3 FP8 all-gather refresh, 2-rank layout, device shards"
     shard_dev = torch.device("meta") if dev.type == "cpu" else dev  # meta: the CPU stand-in
@@ -232,7 +233,7 @@ def p_n1(dev: torch.device) -> None:
             return t.detach().to("cpu", torch.float64)
 
     a, b = nn.Parameter(torch.zeros(64, 64)), nn.Parameter(torch.zeros(64, 64))
-    u = FlatUnit.build(0, "blk", [("q.weight", a, 0), ("o.weight", b, 0)], 2, 0, 8)
+    u = FlatUnit.build(0, "blk", [("q.weight", a, 0), ("o.weight", b, 0)], Partition(2, 0), 8)
     u.wire = Fp8Wire(u, {"q.weight", "o.weight"}, 2)
     u.shard = torch.randn(u.shard_numel).to(torch.bfloat16).to(shard_dev)
     where = "meta stand-in for CUDA" if shard_dev.type == "meta" else str(shard_dev)

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotrain.checkpoint import Loaded, load, save
+from zerotrain.checkpoint.module_state import aliases, buffers, rng_state, set_rng_state
 from zerotrain.comm.collectives import Comm
 from zerotrain.comm.dist import (
     bind_device,
@@ -38,17 +40,18 @@ from zerotrain.comm.dist import (
 from zerotrain.config import Config
 from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
-from zerotrain.memory import BytesPerParam, PhasePeaks, phase_estimates
-from zerotrain.models import Group, Plan, plan_for
+from zerotrain.memory import PhasePeaks, phase_estimates
+from zerotrain.models import Plan, plan_for
 from zerotrain.models.long_sequence import apply_long_sequence
 from zerotrain.models.ulysses import SequenceParallel
 from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
 from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32
 from zerotrain.numerics.scaler import LossScaler
-from zerotrain.optim import build_optimizer, is_elementwise, state_bytes_per_param
+from zerotrain.optim import build_optimizer, is_elementwise
+from zerotrain.optim.groups import group_hyperparameters
 from zerotrain.optim.schedule import describe, lr_from_config, schedule_kwargs
-from zerotrain.zero import Strategy, strategy_class
+from zerotrain.zero import Strategy, build_strategy, run_shape
 from zerotrain.zero.state import WeightReader
 
 #: optimizer steps during which each phase's peak memory is measured
@@ -65,29 +68,6 @@ class StepInfo:
     skipped_total: int
     spike: str | None = None  # why the spike guard skipped this step, if it did
     fp8: dict | None = None   # FP8 overflow/underflow counts, all ranks (counted steps)
-
-
-def group_hyperparameters(cfg: Config) -> dict[int, dict[str, Any]]:
-    """Per optimizer group: weight decay, and for Muon which path the group takes.
-
-    Embeddings and the head are decayed but stay on Muon's AdamW fallback, as its
-    authors recommend; biases and norm gains are decayed only with `decay_1d`.
-    """
-    wd = cfg.optimizer.weight_decay
-    out: dict[int, dict[str, Any]] = {
-        Group.MATRIX: {"weight_decay": wd},
-        Group.VECTOR: {"weight_decay": wd if cfg.optimizer.decay_1d else 0.0},
-        Group.EMBEDDING: {"weight_decay": wd},
-    }
-    if cfg.optimizer.name == "muon":  # None: Muon for 2-D tensors, AdamW otherwise
-        out[Group.MATRIX]["use_muon"] = None
-        # Newton–Schulz's fp32 GEMMs on TF32 tensor cores (CUDA only) in half-precision
-        # runs, unless precision.tf32 is false; fp32 runs follow precision.tf32 globally
-        p = cfg.precision
-        out[Group.MATRIX]["ns_tf32"] = p.dtype != "fp32" and p.tf32 is not False
-        out[Group.VECTOR]["use_muon"] = False
-        out[Group.EMBEDDING]["use_muon"] = False
-    return {int(g): h for g, h in out.items()}
 
 
 class Engine(DeepSpeedAPI):
@@ -119,11 +99,10 @@ class Engine(DeepSpeedAPI):
             if config.sequence.parallel > 1 else None
         self.dp_size = self.sp.dp_size if self.sp is not None else self.world_size
         self.plan = plan or plan_for(model)
-        self.strategy: Strategy = strategy_class(config.zero)(
+        self.strategy: Strategy = build_strategy(
             model, self.plan, self.policy, self.comm, config.zero, self.device,
-            keep_shapes=not is_elementwise(config.optimizer.name), skip_init=weights is not None,
-            fp8_gather=config.precision.fp8.all_gather,
-        )
+            elementwise=is_elementwise(config.optimizer.name), pretrained=weights is not None,
+            fp8_gather=config.precision.fp8.all_gather)
         if weights is not None:
             self.strategy.load_weights(weights)
         # long sequences: checkpointing of the plan's blocks, tiles of the head and MLP
@@ -145,6 +124,8 @@ class Engine(DeepSpeedAPI):
         self.last_info: StepInfo | None = None
         self._no_sync = False
         self.extra_meta: dict[str, Any] = {}  # saved with checkpoints (e.g. the tokenizer)
+        self.run_id: str | None = None  # the run's id, saved with (and pruning) its checkpoints
+        self.last_load: Loaded | None = None  # what the last load_checkpoint read
         self.spike_guard = SpikeGuard(config.train.spike_guard) \
             if config.train.spike_guard.enabled else None
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses
@@ -350,6 +331,29 @@ class Engine(DeepSpeedAPI):
                 if name in named:
                     named[name].copy_(value)
 
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
+                        client_state: dict | None = None) -> Path:
+        """Collective: save to `save_dir/<tag or step_N>` and point `latest` at it."""
+        first = "save" not in self.phases.peaks
+        if first:
+            self.phases.begin()
+        path = save(self.state_dict(), save_dir, step=self.global_step, rank=self.rank,
+                    world=self.world_size, keep=self.config.checkpoint.keep,
+                    run_id=self.run_id, client_state=client_state, name=tag)
+        if first:
+            self.phases.end("save")
+        return path
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
+                        reset_optimizer: bool = False) -> tuple[Path, Any]:
+        """Restore from `load_dir` (its `latest`, or `tag`) at any world size or stage;
+        returns (checkpoint path, client_state)."""
+        src = Path(load_dir) / tag if tag else Path(load_dir)
+        sd, info = load(src, self.state_dict(), self.rank, reset_optimizer)
+        self.load_state_dict(sd)
+        self.last_load = info
+        return info.path, info.client_state
+
     def load_weights(self, read: WeightReader) -> None:
         """Set the weights from full per-parameter tensors; this rank reads only what it
         keeps (`read(name, start, stop)` gives flat elements of parameter `name`)."""
@@ -372,57 +376,18 @@ class Engine(DeepSpeedAPI):
 
     def memory_phases(self, activations: int = 0) -> dict[str, dict[str, int]]:
         """Peak memory of each phase seen so far, above the process's memory before the
-        engine existed, next to the memory model's prediction (`memory.phase_estimates`).
+        engine existed, next to the memory model's prediction: `memory.phase_estimates`
+        of `zero.run_shape`, the code path `zerotrain estimate` takes.
         `activations`: the model's saved activations, when the caller can count them."""
-        s, p = self.strategy, self.policy
-        k = state_bytes_per_param(self.config.optimizer.name, self.config.optimizer.momentum)
-        bpp = BytesPerParam(p.param_dtype.itemsize, p.grad_dtype.itemsize,
-                            p.master_dtype.itemsize if p.master_dtype else 0, k)
-        largest = max((u.numel for u in s.units), default=0)
-        widest = max((sl.numel for u in s.units for sl in u.slots), default=0)
-        predicted = phase_estimates(
-            s.buffer_numels(), self.world_size, s.stage, bpp, offload=s.offload,
-            largest_unit=largest, activations=activations,
-            reduce_bytes=p.reduce_dtype.itemsize, in_flight=s.max_in_flight,
-            prefetch=self.config.zero.prefetch, high_water=self.device.type == "cpu",
-            lazy_grads=self.device.type == "cpu",
-            init_piece=widest if self.plan.init is not None else None)
+        shape = run_shape(type(self.strategy), self.config, self.module, self.plan,
+                          self.device.type, self.world_size)
+        predicted = phase_estimates(shape, activations)
         base = self.phases.baseline
         measured = {k: v - base for k, v in self.phases.peaks.items()}
         return {"measured": measured, "predicted": {k: predicted[k] for k in measured}}
 
     def close(self) -> None:
         self.strategy.close()
-
-
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
-    return out
-
-
-def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent non-parameter state (e.g. running statistics), as state_dict names it."""
-    param_ids = {id(p) for p in module.parameters()}
-    return {name: b for name, b in module.state_dict(keep_vars=True).items()
-            if id(b) not in param_ids and isinstance(b, torch.Tensor)}
-
-
-def aliases(module: nn.Module) -> dict[str, str]:
-    """state_dict name -> canonical parameter name (tied weights share one canonical)."""
-    canon: dict[int, str] = {}
-    out = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        canon.setdefault(id(p), name)
-        out[name] = canon[id(p)]
-    return out
 
 
 def initialize(model: nn.Module, config: Config | dict | str | Path | None = None,
@@ -438,8 +403,8 @@ def initialize(model: nn.Module, config: Config | dict | str | Path | None = Non
     if launched_by_torchrun() and not torch.distributed.is_initialized():
         init_distributed(cfg.train.device, cfg.comm.backend, cfg.comm.timeout_s)
     engine = Engine(model, cfg, device)
-    if engine.rank == 0 and engine.strategy.muon is not None:
-        print(f"[zerotrain] {engine.strategy.muon.describe()}", flush=True)
+    for line in engine.strategy.describe() if engine.rank == 0 else []:
+        print(f"[zerotrain] {line}", flush=True)
     sched = cfg.schedule
     if engine.rank == 0 and (sched.kind != "constant" or sched.warmup_steps):
         lr = describe(cfg.optimizer.lr, cfg.train.steps, **schedule_kwargs(sched))

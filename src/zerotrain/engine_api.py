@@ -2,14 +2,12 @@
 against DeepSpeed itself (its `initialize`, optimizer groups, scheduler timing and
 checkpoint flags) runs unchanged through `zerotrain.deepspeed` instead.
 
-    engine.save_checkpoint(dir, tag=None, client_state={...})
-    path, client_state = engine.load_checkpoint(dir, tag=None)
     engine.get_lr(), engine.get_global_grad_norm(), engine.global_steps,
     engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
     engine.module, engine.optimizer, engine.lr_scheduler, engine.no_sync()
 
-Everything here is a thin layer over the Engine's own state and its Stateful
-`state_dict` / `load_state_dict`; checkpoints are zerotrain's atomic sharded format.
+Everything here is a thin layer over the Engine's own state; `save_checkpoint` /
+`load_checkpoint` are the Engine's own methods (engine.py), under DeepSpeed's names.
 What differs from DeepSpeed is said in docs/from-deepspeed.md.
 """
 
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 
@@ -89,31 +86,3 @@ class DeepSpeedAPI:
             yield
         finally:
             self._no_sync = False
-
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
-                        client_state: dict | None = None) -> Path:
-        """Collective: save to `save_dir/<tag or step_N>` and point `latest` at it."""
-        from zerotrain.checkpoint import save
-
-        first = "save" not in self.phases.peaks
-        if first:
-            self.phases.begin()
-        path = save(self.state_dict(), save_dir, step=self.global_step, rank=self.rank,
-                    world=self.world_size, keep=self.config.checkpoint.keep,
-                    run_id=getattr(self, "run_id", None), client_state=client_state,
-                    name=tag)
-        if first:
-            self.phases.end("save")
-        return path
-
-    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
-                        reset_optimizer: bool = False) -> tuple[Path, Any]:
-        """Restore from `load_dir` (its `latest`, or `tag`) at any world size or stage;
-        returns (checkpoint path, client_state)."""
-        from zerotrain.checkpoint import load
-
-        src = Path(load_dir) / tag if tag else Path(load_dir)
-        sd, info = load(src, self.state_dict(), self.rank, reset_optimizer)
-        self.load_state_dict(sd)
-        self.last_load = info
-        return info.path, info.client_state

@@ -20,12 +20,10 @@ from zerotrain.cli.args import (
     plot_path,
     size_help,
 )
+from zerotrain.config.run import OFFLOAD_RULE
 from zerotrain.memory import (
-    COMPILE_RUNTIME_BYTES,
     CPU_BASELINE_BYTES,
-    CPU_RETENTION,
     PRECISIONS,
-    BytesPerParam,
     MemoryEstimate,
     bytes_per_param,
     config_activations,
@@ -34,7 +32,6 @@ from zerotrain.memory import (
     model_state_bytes,
     muon_state_bytes,
     phase_estimates,
-    shard_numel,
     steady_peak,
     traffic_per_step,
 )
@@ -243,8 +240,7 @@ def _rows(args: argparse.Namespace, optimizer: str) -> tuple[list, dict[str, str
     rows = [r for r in ROWS if (args.stage is None or r[1] == args.stage)
             and (not args.offload or r[2])]
     if not rows:
-        raise UsageError(f"stage {args.stage} has no offload variant (offload needs stage 2 "
-                         "or 3)")
+        raise UsageError(f"stage {args.stage} has no offload variant ({OFFLOAD_RULE})")
     refused = {label: why for label, st, off in rows
                if (why := training_refuses(optimizer, st, off)) is not None}
     if refused and (args.stage is not None or len(refused) == len(rows)):
@@ -351,43 +347,16 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
     allocator retention, a high-water mark); "cuda": what the allocator counts.
     bench/capacity.py holds these numbers against measured runs.
     """
-    import torch
-
     from zerotrain.models import build_model, plan_for
-    from zerotrain.models.plan import unit_members
-    from zerotrain.numerics.precision import PrecisionPolicy
-    from zerotrain.optim import resolve_compile
-    from zerotrain.zero.flat import bucket_params
+    from zerotrain.zero import STRATEGIES, run_shape
 
     model = build_model(cfg.model, device="meta")
-    plan = plan_for(model)
-    named = [(n, p, int(plan.group_of(n))) for n, p in model.named_parameters()
-             if p.requires_grad]
-    pol = PrecisionPolicy.from_config(cfg.precision)
-    if stage == 3:  # ZeRO-3's units; stages 0-2 cut size-bounded buckets
-        groups = [ps for _, ps, _ in unit_members(model, plan, named)]
-    else:
-        groups = bucket_params(named, max(1, int(cfg.zero.bucket_mb * 2**20
-                                                 / pol.reduce_dtype.itemsize)))
-    numels = [sum(t[1].numel() for t in g) for g in groups]
-    k = state_bytes_per_param(cfg.optimizer.name, cfg.optimizer.momentum)
-    bpp = BytesPerParam(pol.param_dtype.itemsize, pol.grad_dtype.itemsize,
-                        pol.master_dtype.itemsize if pol.master_dtype else 0, k)
-    own = sum(shard_numel(n, world) for n in numels) if stage else sum(numels)
-    compiled = cfg.optimizer.name in ("adam", "adamw") and resolve_compile(
-        cfg.optimizer.compile, [{"params": [torch.empty(own, device="meta")]}])
+    shape = run_shape(STRATEGIES[(stage, offload)], cfg, model, plan_for(model), device, world)
     act = config_activations(cfg, micro_batch, seq, device=device).peak
+    phases = phase_estimates(shape, act)
     cpu = device == "cpu"
-    widest = max(p.numel() for _, p, _ in named)
-    phases = phase_estimates(
-        numels, world, stage, bpp, offload=offload,
-        largest_unit=max(numels) if stage == 3 else 0, activations=act,
-        reduce_bytes=pol.reduce_dtype.itemsize, in_flight=cfg.zero.in_flight(device),
-        prefetch=cfg.zero.prefetch, high_water=cpu,
-        largest_param=widest,
-        runtime=COMPILE_RUNTIME_BYTES if compiled else 0,
-        retention=CPU_RETENTION if cpu else 0.0, lazy_grads=cpu,
-        init_piece=widest if plan.init is not None else None)
+    compiled = shape.runtime > 0
+    numels = list(shape.buffer_numels)
     base = CPU_BASELINE_BYTES if cpu else 0
     return {"phases": phases, "baseline": base, "init": base + phases["init"],
             "steady": base + steady_peak(phases), "device": device,

@@ -12,6 +12,18 @@ from pydantic import (
 
 from zerotrain.config.base import _Section
 
+#: The ZeRO stages Offload works at: it moves the *sharded* gradients, master weights
+#: and optimizer states to the host, so it needs the gradient shard. The one statement
+#: of that rule: the config, the memory model, the estimate and the DeepSpeed map ask
+#: `offload_allowed`.
+OFFLOAD_STAGES = (2, 3)
+OFFLOAD_RULE = ("offload needs stage 2 or 3 (it offloads the sharded gradients, master "
+                "weights and optimizer states)")
+
+
+def offload_allowed(stage: int) -> bool:
+    return stage in OFFLOAD_STAGES
+
 
 class ZeroConfig(_Section):
     stage: Literal[0, 1, 2, 3] = 0
@@ -52,11 +64,9 @@ class ZeroConfig(_Section):
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> ZeroConfig:
-        if self.offload_optimizer != "none" and self.stage < 2:
-            raise ValueError(
-                "zero.offload_optimizer needs zero.stage 2 or 3 (it offloads the sharded "
-                "gradients, master weights and optimizer states)"
-            )
+        if self.offload_optimizer != "none" and not offload_allowed(self.stage):
+            raise ValueError("zero.offload_optimizer needs zero.stage 2 or 3 (it offloads the "
+                             "sharded gradients, master weights and optimizer states)")
         return self
 
 

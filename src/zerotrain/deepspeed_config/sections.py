@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerotrain.config.run import offload_allowed
 from zerotrain.deepspeed_config.reader import Reader, leaves
 
 DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size default (elements)
@@ -121,7 +122,7 @@ def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
                                                    "memory only; use cpu (or none)")
     elif device not in ("cpu", "none"):
         r.problem(f"{z}.offload_optimizer.device", "must be cpu or none")
-    elif device == "cpu" and stage < 2:
+    elif device == "cpu" and not offload_allowed(stage):
         r.problem(f"{z}.offload_optimizer.device", "zerotrain offloads from ZeRO stage 2 or 3 "
                                                    f"(DeepSpeed also at 1); set {z}.stage 2")
     else:

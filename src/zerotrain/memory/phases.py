@@ -53,7 +53,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zerotrain.memory.states import BytesPerParam, model_state_bytes_from_buffers, shard_numel
+from zerotrain.memory.shape import RunShape
+from zerotrain.memory.states import shard_numel, state_bytes
 
 PHASES = ("init", "forward", "backward", "step", "save")
 STEADY = ("forward", "backward", "step")
@@ -99,57 +100,54 @@ def bucket_pool_numel(numels: Sequence[int], world: int, in_flight: int = 2) -> 
     return made
 
 
-def phase_estimates(buffer_numels: Sequence[int], world: int, stage: int, bpp: BytesPerParam,
-                    *, offload: bool = False, largest_unit: int = 0, activations: int = 0,
-                    reduce_bytes: int = 4, in_flight: int = 2, prefetch: bool = True,
-                    high_water: bool = False, largest_param: int = 0, runtime: int = 0,
-                    retention: float = 0.0, lazy_grads: bool = False,
-                    init_piece: int | None = None) -> dict[str, int]:
+def phase_estimates(shape: RunShape, activations: int = 0) -> dict[str, int]:
     """Bytes above the baseline at each phase's peak, per rank (device and host together,
-    as one CPU process sees them). `largest_param`: elements of the largest parameter
-    (autograd's fresh gradient); `runtime`: resident bytes the first step adds
-    for good (`COMPILE_RUNTIME_BYTES` when the optimizer is compiled); `retention`: the
-    allocator's allowance (`CPU_RETENTION` for a CPU process). `high_water`: the running
-    maximum over the phases in order — what a resident-set high-water mark measures on
-    CPU, where freed memory usually stays with the process. `lazy_grads`: memory never
-    written is not resident (a CPU process): stages 2-3's gradient shard at init, and
-    ZeRO-3's empty full-unit buffer. `init_piece`: elements ZeRO-3 materialises at once
-    during init — a whole unit by default, the largest parameter when the plan's
-    per-name rule draws each parameter into the shard; without lazy pages (CUDA) that
-    path also holds one empty unit buffer, so its init adds `largest_unit` as well."""
-    est = model_state_bytes_from_buffers(
-        buffer_numels, world, stage, param_bytes=bpp.params, grad_bytes=bpp.grads,
-        master_bytes=bpp.master, optim_bytes=bpp.optimizer, offload=offload,
-        largest_unit=largest_unit, pad_full=True)
+    as one CPU process sees them), for a run of this shape (memory/shape.py) plus the
+    `activations` its caller counts. What each field of the shape adds:
+    `widest_param`, autograd's fresh gradient in backward; `runtime`, resident bytes the
+    first step adds for good (`COMPILE_RUNTIME_BYTES` when the optimizer is compiled);
+    `retention`, the allocator's allowance (`CPU_RETENTION` for a CPU process);
+    `high_water`, the running maximum over the phases in order — what a resident-set
+    high-water mark measures on CPU, where freed memory usually stays with the process;
+    `lazy_grads`, memory never written is not resident (a CPU process): the sharded
+    gradient at init, and ZeRO-3's empty full-unit buffer; `init_piece`, elements ZeRO-3
+    materialises at once during init — a whole unit by default, the largest parameter
+    when the plan's per-name rule draws each parameter into the shard; without lazy pages
+    (CUDA) that path also holds one empty unit buffer, so its init adds `largest_unit`."""
+    sh, bpp, world, numels = shape, shape.bpp, shape.world, shape.buffer_numels
+    params_sharded, grads_sharded = "params" in sh.shards, "grads" in sh.shards
+    largest_unit = sh.largest_unit if params_sharded else 0
+    est = state_bytes(numels, world, sh.shards, sh.offloads, bpp, largest_unit=largest_unit,
+                      pad_full=True)
     optimizer = est.device["optimizer"] + est.host["optimizer"]
     states = sum(est.device.values()) + sum(est.host.values())
-    unit = largest_unit * bpp.params if stage == 3 else 0
-    gathered = (2 if prefetch else 1) * unit
-    pool = bucket_pool_numel(buffer_numels, world, in_flight) * reduce_bytes if stage >= 2 else 0
-    held = states + pool + runtime  # from the first backward/step on, for good
-    shard = sum(shard_numel(n, world) for n in buffer_numels)
-    if stage == 0:  # a rank writes only its shard of the replicated state (write_range)
+    gathered = (2 if sh.prefetch else 1) * largest_unit * bpp.params
+    pool = (bucket_pool_numel(numels, world, sh.in_flight) * sh.reduce_bytes
+            if grads_sharded else 0)
+    held = states + pool + sh.runtime  # from the first backward/step on, for good
+    shard = sum(shard_numel(n, world) for n in numels)
+    if not sh.shards:  # a rank writes only its shard of the replicated state (write_range)
         saved = (bpp.optimizer + (bpp.master or bpp.params)) * shard
     else:
         saved = est.host["master"] + est.device["master"] + optimizer
-        if bpp.master == 0 and not offload:  # fp32: this rank's parameters are its master
+        if bpp.master == 0 and not sh.offload:  # fp32: this rank's parameters are its master
             saved += bpp.params * shard
-    grads = est.device["grads"] + est.host["grads"] if lazy_grads and stage >= 2 else 0
-    if stage != 3:
+    grads = est.device["grads"] + est.host["grads"] if sh.lazy_grads and grads_sharded else 0
+    if not params_sharded:
         drawn = 0
-    elif init_piece is None:  # each unit materialised whole, then cut
+    elif sh.init_piece is None:  # each unit materialised whole, then cut
         drawn = largest_unit
     else:  # the scratch parameter, plus (no lazy pages) the unit's empty full buffer
-        drawn = init_piece + (0 if lazy_grads else largest_unit)
+        drawn = sh.init_piece + (0 if sh.lazy_grads else largest_unit)
     live = {
         "init": states - optimizer - grads + drawn * bpp.params,
         "forward": held + gathered + activations,
-        "backward": held + gathered + activations + largest_param * bpp.grads,
+        "backward": held + gathered + activations + sh.widest_param * bpp.grads,
         "step": held,
         "save": held + saved,
     }
-    live = {k: v if k == "init" else int(v * (1 + retention)) for k, v in live.items()}
-    if not high_water:
+    live = {k: v if k == "init" else int(v * (1 + sh.retention)) for k, v in live.items()}
+    if not sh.high_water:
         return live
     out, top = {}, 0
     for phase in PHASES:  # what a process's high-water mark shows: never below earlier peaks

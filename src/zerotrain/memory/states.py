@@ -11,8 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from zerotrain.config.run import OFFLOAD_RULE, OFFLOAD_STAGES
+
+#: the model states (SPEC §6), the names strategies declare in `shards` / `offloads`
 FIELDS = ("params", "grads", "master", "optimizer")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
+#: SPEC §6's table: which states each ZeRO stage keeps 1/N per rank. The strategies
+#: declare the same (tests/test_run_shape.py holds them equal); this serves the
+#: stage-number API (`model_state_bytes`, the estimate's rows) that has no strategy.
+STAGE_SHARDS: dict[int, frozenset[str]] = {
+    0: frozenset(), 1: frozenset({"master", "optimizer"}),
+    2: frozenset({"grads", "master", "optimizer"}), 3: frozenset(FIELDS),
+}
+#: what Offload moves to the host: the sharded states the optimizer reads and writes
+OFFLOADED = frozenset({"grads", "master", "optimizer"})
+
+
+def can_offload(shards: frozenset[str]) -> bool:
+    """Whether a strategy sharding `shards` may offload: the stages of `OFFLOAD_STAGES`
+    (config/run.py, where the rule is stated once)."""
+    return any(shards == STAGE_SHARDS[s] for s in OFFLOAD_STAGES)
 
 # ----------------------------------------------------------------------------- bytes/param
 
@@ -94,19 +112,30 @@ def model_state_bytes_from_buffers(
     grad_bytes: int, master_bytes: int, optim_bytes: int, offload: bool = False,
     largest_unit: int = 0, pad_full: bool = False,
 ) -> MemoryEstimate:
-    """Per-rank model-state bytes when the engine partitions these flat buffers.
+    """`state_bytes` by stage number (SPEC §6's table)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if stage not in STAGE_SHARDS:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    return state_bytes(buffer_numels, world_size, STAGE_SHARDS[stage],
+                       OFFLOADED if offload else frozenset(),
+                       BytesPerParam(param_bytes, grad_bytes, master_bytes, optim_bytes),
+                       largest_unit=largest_unit, pad_full=pad_full)
+
+
+def state_bytes(buffer_numels: Sequence[int], world_size: int, shards: frozenset[str],
+                offloads: frozenset[str], bpp: BytesPerParam, *, largest_unit: int = 0,
+                pad_full: bool = False) -> MemoryEstimate:
+    """Per-rank model-state bytes when a strategy that shards `shards` and offloads
+    `offloads` partitions these flat buffers.
 
     Partitioned states cost ceil(P/N) per buffer; replicated ones cost P (or the padded
     N·ceil(P/N) with `pad_full`, for engines that keep full buffers padded). Offload moves
     the grad, master and optimizer shards to the host; if there is no master copy
     (fp32 / bf16-pure) the CPU optimizer still needs its own param shard, counted as master.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    if offload and stage < 2:
-        raise ValueError("offload needs stage 2 or 3 (it offloads the sharded states)")
+    if offloads and not can_offload(shards):
+        raise ValueError(OFFLOAD_RULE)
     if any(n < 0 for n in buffer_numels):
         raise ValueError("buffer sizes must be >= 0")
     n = world_size
@@ -114,22 +143,18 @@ def model_state_bytes_from_buffers(
     shard = sum(shard_numel(p, n) for p in buffer_numels)
     padding = n * shard - full
     rep = n * shard if pad_full else full
-    sharded = {  # which states each stage partitions (SPEC §6)
-        0: (), 1: ("master", "optimizer"), 2: ("grads", "master", "optimizer"),
-        3: ("params", "grads", "master", "optimizer"),
-    }[stage]
-    per = {"params": param_bytes, "grads": grad_bytes, "master": master_bytes,
-           "optimizer": optim_bytes}
-    est = MemoryEstimate(padding_elems=padding if stage else 0)
+    per = {"params": bpp.params, "grads": bpp.grads, "master": bpp.master,
+           "optimizer": bpp.optimizer}
+    est = MemoryEstimate(padding_elems=padding if shards else 0)
     for f in FIELDS:
-        est.device[f] = per[f] * (shard if f in sharded else rep)
-    if offload:
-        if master_bytes == 0:
-            est.device["master"] = param_bytes * shard
-        for f in ("grads", "master", "optimizer"):
+        est.device[f] = per[f] * (shard if f in shards else rep)
+    if offloads:
+        if bpp.master == 0:
+            est.device["master"] = bpp.params * shard
+        for f in sorted(offloads):
             est.host[f], est.device[f] = est.device[f], 0
-    if stage == 3:
-        est.gathered = largest_unit * param_bytes
+    if "params" in shards:
+        est.gathered = largest_unit * bpp.params
     return est
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zerotrain.config.run import OFFLOAD_RULE, offload_allowed
 from zerotrain.memory.states import shard_numel
 
 # ----------------------------------------------------------------------------- traffic
@@ -80,8 +81,8 @@ def traffic_per_step(psi: int | Sequence[int], world_size: int, stage: int, *,
     `muon_matrix_numel`: elements of the matrices distributed Muon owns whole (stages
     1–3 add its two all-to-alls, `muon_mean_traffic`; stage 0 replicates Muon: nothing).
     """
-    if offload and stage < 2:
-        raise ValueError("offload needs stage 2 or 3")
+    if offload and not offload_allowed(stage):
+        raise ValueError(OFFLOAD_RULE)
     n = world_size
     sizes = [psi] if isinstance(psi, int) else list(psi)
     if stage == 0:

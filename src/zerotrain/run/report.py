@@ -97,8 +97,8 @@ class Reporter:
         self.say("[zerotrain] model states on rank 0 (bytes): " + ", ".join(
             f"{place} {k}={v:,}" for place in ("device", "host") for k, v in ms[place].items()
             if v))
-        if eng.strategy.muon is not None:  # distributed Muon: who updates which matrices
-            self.say(f"[zerotrain] {eng.strategy.muon.describe()}")
+        for line in eng.strategy.describe():  # e.g. distributed Muon: who owns which matrix
+            self.say(f"[zerotrain] {line}")
         if eng.device.type == "cpu":
             warning = cpu_cost_warning(self.cfg, n_params)
             if warning:

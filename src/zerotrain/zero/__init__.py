@@ -1,11 +1,30 @@
-"""Units, gradients and one Strategy per ZeRO stage; the config picks the class."""
+"""Units, gradients and one Strategy per ZeRO stage, composed from parts chosen once.
+
+`build_strategy` is the one place where other subsystems' facts (the optimizer's rule,
+pretrained weights coming, FP8 gathering) become parts: the stage class (what it shards,
+`STRATEGIES`), a `Partition`, an updater (zero/update.py), where first values come from
+(zero/init.py) and the parameters' wire (zero/wire.py). The strategy never sees a flag.
+"""
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from zerotrain.comm.collectives import Comm
 from zerotrain.config import ZeroConfig
+from zerotrain.models.plan import Plan
+from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.base import Strategy
+from zerotrain.zero.build import build_units, make_grads
+from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
+from zerotrain.zero.init import InitValues
+from zerotrain.zero.muon import MatrixOwners
 from zerotrain.zero.offload import ZeRO2Offload, ZeRO3Offload
+from zerotrain.zero.partition import Partition
+from zerotrain.zero.update import Elementwise, PerParameter, UnitByUnit, Updater
+from zerotrain.zero.wire import Fp8Gather, PlainWire
 from zerotrain.zero.zero1 import ZeRO1
 from zerotrain.zero.zero2 import ZeRO2
 from zerotrain.zero.zero3 import ZeRO3
@@ -20,5 +39,35 @@ def strategy_class(cfg: ZeroConfig) -> type[Strategy]:
     return STRATEGIES[(cfg.stage, cfg.offload_optimizer != "none")]
 
 
-__all__ = ["DDP", "STRATEGIES", "Strategy", "ZeRO1", "ZeRO2", "ZeRO2Offload", "ZeRO3",
-           "ZeRO3Offload", "strategy_class"]
+def choose_updater(cls: type[Strategy], elementwise: bool, device: torch.device
+                   ) -> type[Updater]:
+    """A non-elementwise rule (Muon) needs whole matrices: owners when the stage shards
+    the optimizer, else full-shape tensors; Offload on a GPU steps unit by unit."""
+    sharded = "optimizer" in cls.shards
+    if not elementwise:
+        return MatrixOwners if sharded else PerParameter
+    return UnitByUnit if cls.offloads and device.type == "cuda" else Elementwise
+
+
+def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: Comm,
+                   cfg: ZeroConfig, device: torch.device, *, elementwise: bool = True,
+                   pretrained: bool = False, fp8_gather: bool = False) -> Strategy:
+    """The strategy of `cfg` over every rank of `comm`. `elementwise`: the optimizer's rule
+    may run on flat runs (all but Muon); `pretrained`: weights are loaded next (meta
+    units are not initialised); `fp8_gather`: ZeRO-3 gathers the plan's FP8 weights in
+    one byte per element."""
+    cls = strategy_class(cfg)
+    wire = PlainWire()
+    if fp8_gather and "params" in cls.shards:
+        wire = Fp8Gather(frozenset(f"{m}.weight" for m in plan.fp8_linears))
+    part = Partition.of(comm)
+    grads = make_grads(cls, policy, device, cfg.in_flight(device.type))
+    units = build_units(cls, model, plan, policy, part, cfg, device,
+                        InitValues(model, plan, skip=pretrained), grads)
+    return cls(model, plan, policy, part, cfg, device, units, grads,
+               updater=choose_updater(cls, elementwise, device), wire=wire)
+
+
+__all__ = ["DDP", "STRATEGIES", "Partition", "Strategy", "ZeRO1", "ZeRO2", "ZeRO2Offload",
+           "ZeRO3", "ZeRO3Offload", "build_strategy", "choose_updater", "run_shape",
+           "strategy_class"]

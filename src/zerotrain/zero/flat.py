@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from zerotrain.zero.partition import Partition
+
 NamedParams = list[tuple[str, nn.Parameter, int]]  # (name, parameter, optimizer group)
 
 
@@ -64,11 +66,12 @@ class FlatUnit:
     shard_numel: int = 0
 
     @classmethod
-    def build(cls, index: int, name: str, named: NamedParams, world_size: int, rank: int,
+    def build(cls, index: int, name: str, named: NamedParams, part: Partition,
               align: int = 1, **extra) -> FlatUnit:
-        """`align`: every parameter and every shard starts at a multiple of this many
-        elements (GPUs: 16 bytes, so NCCL, foreach kernels and cuBLAS take their
-        vectorised paths); 1 packs parameters end to end."""
+        """Lay `named` out across `part`'s ranks. `align`: every parameter and every shard
+        starts at a multiple of this many elements (GPUs: 16 bytes, so NCCL, foreach
+        kernels and cuBLAS take their vectorised paths); 1 packs parameters end to end."""
+        world_size, rank = part.world, part.rank
         named = sorted(named, key=lambda t: t[2])  # stable: group order, then model order
         slots, off = [], 0
         for pname, p, group in named:
@@ -112,20 +115,13 @@ class FlatUnit:
         }
 
 
-def bucket_params(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
-    """Cut parameters into buckets in reverse registration order (≈ the order their
-    gradients become ready in backward), each at most `bucket_numel` unless one
-    parameter alone is larger."""
-    buckets: list[NamedParams] = [[]]
-    size = 0
-    for item in reversed(named):
-        n = item[1].numel()
-        if buckets[-1] and size + n > bucket_numel:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(item)
-        size += n
-    return [b for b in buckets if b]
+def flat_end(named: NamedParams, align: int = 1) -> int:
+    """Elements a unit of these parameters spans before its padding to N: `FlatUnit.build`'s
+    layout (group order, each parameter aligned) without building it."""
+    off = 0
+    for _, p, _ in sorted(named, key=lambda t: t[2]):
+        off = -(-off // align) * align + p.numel()
+    return off
 
 
 def gather_range(unit: dict, lo: int, hi: int, read: Callable[[str, int, int], Tensor],

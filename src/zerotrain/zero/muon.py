@@ -42,6 +42,7 @@ from torch import Tensor
 from zerotrain.models.plan import Group
 from zerotrain.optim.muon import muon_apply_
 from zerotrain.zero.flat import ParamSlot, Segment
+from zerotrain.zero.update import Updater
 
 if TYPE_CHECKING:
     from zerotrain.zero.unit import Unit
@@ -105,13 +106,16 @@ def _pieces(u: Unit, slot: ParamSlot) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-class MuonOwners:
+class MatrixOwners(Updater):
     """The ownership plan of one strategy, and the exchange that carries it out.
 
     `strategy` is the `zero.base.Strategy` that builds this (untyped here: base imports
     this module): its units, comm, `opt_range`, `owned_grad`, `attach_grads`."""
 
+    per_param = True
+
     def __init__(self, strategy: Any, method: str = "all_to_all"):
+        super().__init__(strategy)
         if method not in METHODS:
             raise ValueError(f"distributed Muon method must be one of {METHODS}, got {method!r}")
         s = self.s = strategy
@@ -136,10 +140,10 @@ class MuonOwners:
         self.elementwise: list[tuple[Segment, Tensor]] = []
 
     # ------------------------------------------------------------ what the optimizer sees
-    def optimizer_views(self, views: list[tuple[Segment, Tensor]]
-                        ) -> list[tuple[Segment, Tensor]]:
+    def views(self) -> list[tuple[Segment, Tensor]]:
         """The strategy's per-parameter views without any piece of a matrix, plus one
         full-shape stand-in per matrix this rank owns (in optimizer order: by group)."""
+        views = super().views()
         spans = {(m.unit, m.slot.offset, m.slot.end) for m in self.matrices}
 
         def in_matrix(seg: Segment) -> bool:

@@ -156,13 +156,13 @@ class HostGrads(ShardedGrads):
 class OffloadMixin:
     """What Offload adds to a stage: host gradients, and an async, fenced publish.
 
-    On a GPU the optimizer steps unit by unit (`Strategy.step_by_unit`): each unit's
+    On a GPU the optimizer steps unit by unit (`zero.update.UnitByUnit`): each unit's
     host-to-device publish is queued as soon as the CPU has updated it and runs while the
     CPU updates the next one. A unit's copy reads its master (or its host-cast staging)
     asynchronously, so the next update of that unit first waits for that copy's event.
     """
 
-    offload = True
+    offloads = frozenset({"grads", "master", "optimizer"})
     grads_class = HostGrads
 
     def write_master_into(self, u: Unit, dst: Tensor) -> None:
@@ -181,13 +181,6 @@ class OffloadMixin:
         u.published = torch.cuda.Event()
         u.published.record(torch.cuda.current_stream(self.device))
 
-    def host_zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
-        if not self.grads.gpu:
-            return super().host_zeros(numel, dtype)
-        t = host_buffer(numel, dtype, True)
-        self.grads.registered.append(t)
-        return t
-
     def fence_master(self, u: Unit) -> None:
         if u.published is not None:
             u.published.synchronize()
@@ -195,7 +188,7 @@ class OffloadMixin:
 
     def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
         """Before the CPU writes these units' masters: their last publish has read them.
-        (Distributed Muon writes the matrix slices later, fenced in `MuonOwners.apply`.)"""
+        (Distributed Muon writes the matrix slices later, fenced in `MatrixOwners.apply`.)"""
         for i in {seg.unit for seg, _ in (self.opt_segments if segments is None else segments)}:
             self.fence_master(self.units[i])
         super().attach_grads(segments)

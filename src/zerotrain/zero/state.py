@@ -1,9 +1,7 @@
-"""What a strategy holds, told two ways: as bytes (the memory audit) and as state.
-
-Both are read from the live units, never recomputed: the audit is what the engine
-prints and tests hold against `memory.py`'s formulas; the state dict is what
-checkpoints save. `state_dict()` / `load_state_dict()` speak this rank's own layout
-(one master tensor per unit); `load_weights(read)` takes full per-parameter weights from
+"""What a strategy holds as state, read from the live units (the audit of the same
+units, as bytes, is zero/audit.py): the state dict is what checkpoints save.
+`state_dict()` / `load_state_dict()` speak this rank's own layout (one master tensor per
+unit); `load_weights(read)` takes full per-parameter weights from
 any source and keeps this rank's part, which is how a checkpoint saved at another world
 size or stage — or a pretrained file — comes in.
 """
@@ -16,12 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zerotrain.zero.audit import memory_breakdown
 from zerotrain.zero.flat import gather_range
 
 if TYPE_CHECKING:
     from zerotrain.zero.unit import Unit
-
-CATEGORIES = ("params", "grads", "master", "optimizer")
 
 #: read(name, start, stop) -> elements [start, stop) of parameter `name`, flattened
 WeightReader = Callable[[str, int, int], Tensor]
@@ -87,39 +84,11 @@ class StrategyState:
             self.wait_pending()
         self.after_publish()
 
-    # ================================================================ audit
-    def tensors_by_category(self, optimizer_state: Iterable[dict] = ()
-                            ) -> list[tuple[str, str, Tensor]]:
-        """(category, placement, tensor) for every persistent model-state tensor."""
-        host = "host" if self.offload else "device"
-        out: list[tuple[str, str, Tensor]] = [("params", "device", t)
-                                               for t in self.param_tensors()]
-        grads_place = host if self.grads.sharded else "device"
-        out += [("grads", grads_place, u.grad) for u in self.units]
-        out += [("master", host, u.master) for u in self.units]
-        for st in optimizer_state:
-            out += [("optimizer", host, t) for t in st.values()
-                    if isinstance(t, Tensor) and t.numel() > 1]
-        return out
-
-    def param_tensors(self) -> list[Tensor]:
-        return [u.params for u in self.units]
-
+    # ================================================================ audit (zero/audit.py)
     def memory_breakdown(self, optimizer_state: Iterable[dict] = ()
                          ) -> dict[str, dict[str, int]]:
-        """Bytes held per category on device and host; shared storage counted once.
-
-        `optimizer_state`: the optimizer's per-tensor state dicts (`optimizer.state.values()`).
-        """
-        out = {p: dict.fromkeys(CATEGORIES, 0) for p in ("device", "host")}
-        seen: set[int] = set()
-        for cat, place, t in self.tensors_by_category(optimizer_state):
-            st = t.untyped_storage()
-            if st.data_ptr() in seen or st.nbytes() == 0:
-                continue
-            seen.add(st.data_ptr())
-            out[place][cat] += st.nbytes()
-        return out
+        """Bytes held per category on device and host (`zero.audit.memory_breakdown`)."""
+        return memory_breakdown(self.units, self.grads.sharded, self.offload, optimizer_state)
 
     def buffer_numels(self) -> list[int]:
         return [u.numel for u in self.units]

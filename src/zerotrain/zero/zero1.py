@@ -15,7 +15,7 @@ from zerotrain.zero.unit import Unit
 class ZeRO1(DDP):
     name = "zero1"
     stage = 1
-    shards_optimizer = True
+    shards = frozenset({"master", "optimizer"})
 
     def reduce_grads(self, u: Unit) -> None:
         buf = u.grad

@@ -9,6 +9,7 @@ shard is where accumulation happens.
 
 from __future__ import annotations
 
+from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.grads import ShardedGrads
 from zerotrain.zero.unit import Unit
 from zerotrain.zero.zero1 import ZeRO1
@@ -17,10 +18,12 @@ from zerotrain.zero.zero1 import ZeRO1
 class ZeRO2(ZeRO1):
     name = "zero2"
     stage = 2
+    shards = frozenset({"grads", "master", "optimizer"})
     grads_class = ShardedGrads
 
-    def grads_options(self) -> dict:
-        return {"bucket_dtype": self.policy.reduce_dtype, "pool_size": self.max_in_flight}
+    @classmethod
+    def grads_options(cls, policy: PrecisionPolicy, in_flight: int) -> dict:
+        return {"bucket_dtype": policy.reduce_dtype, "pool_size": in_flight}
 
     def reduce_grads(self, u: Unit) -> None:
         bucket = self.grads.target(u)

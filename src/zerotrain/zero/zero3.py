@@ -23,9 +23,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from zerotrain.models.plan import unit_members
+from zerotrain.config import ZeroConfig
+from zerotrain.models.plan import Plan
+from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams
-from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
 from zerotrain.zero.unit import ShardedUnit
 from zerotrain.zero.zero2 import ZeRO2
 
@@ -38,7 +40,7 @@ def in_backward() -> bool:
 class ZeRO3(ZeRO2):
     name = "zero3"
     stage = 3
-    shards_params = True
+    shards = frozenset({"params", "grads", "master", "optimizer"})
     unit_class = ShardedUnit
     units: list[ShardedUnit]
 
@@ -50,64 +52,14 @@ class ZeRO3(ZeRO2):
             assert u.module is not None
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
-        if self.fp8_gather:
-            names = {f"{m}.weight" for m in self.plan.fp8_linears}
-            for u in self.units:
-                if not u.persistent and any(s.name in names for s in u.slots):
-                    u.wire = Fp8Wire(u, names, self.policy.param_dtype.itemsize)
-            self.after_publish()
+        self.wire.attach(self.units, self.policy.param_dtype.itemsize)
+        self.after_publish()  # the wire packs the first gathers' bytes
 
-    def make_units(self, named: NamedParams) -> list[tuple[str, NamedParams, dict]]:
+    @classmethod
+    def cut(cls, model: nn.Module, plan: Plan, named: NamedParams, cfg: ZeroConfig,
+            policy: PrecisionPolicy) -> list[UnitSpec]:
         """The plan's blocks, plus a root unit for everything else."""
-        return [(name, ps, {"module": m})
-                for name, ps, m in unit_members(self.model, self.plan, named)]
-
-    def init_unit(self, u: ShardedUnit) -> None:
-        lo, hi = u.shard_range
-        u.persistent = u.numel < self.cfg.param_persistence_threshold
-        if self.by_parameter(u):
-            u.shard = self.init_shard(u)
-        else:
-            u.materialize(self.policy.param_dtype, self.device, self.init_values)
-            # A persistent unit keeps its full buffer, so its shard can be a view of it.
-            u.shard = u.params[lo:hi] if u.persistent else u.params[lo:hi].clone()
-        self.grads.allocate(u)
-        u.master = self.master_for(u.shard)
-        u.reshard()
-
-    _scratch: Tensor | None = None  # init: where each parameter is drawn whole
-
-    def init_done(self) -> None:
-        self._scratch = None
-
-    def by_parameter(self, u: ShardedUnit) -> bool:
-        """A meta unit whose values come from the plan's per-name rule is initialised one
-        parameter at a time, straight into this rank's shard: the full unit never exists
-        at init (a persistent unit keeps its full buffer anyway; `reset_parameters()` and
-        pretrained loading fill whole modules or slices, so they take the unit path)."""
-        return (not u.persistent and self.plan.init is not None and not self.skip_init
-                and all(s.param.device.type == "meta" for s in u.slots))
-
-    def init_shard(self, u: ShardedUnit) -> Tensor:
-        """This rank's shard of a meta unit, each parameter drawn whole (the same values
-        as in the full buffer: the rule depends on the name only) and its owned slice
-        kept; the full buffer is an empty tensor the first gather fills."""
-        dtype, lo, hi = self.policy.param_dtype, *u.shard_range
-        shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
-        if self._scratch is None:  # one buffer for every parameter drawn: no allocator churn
-            widest = max(s.numel for v in self.units for s in v.slots)
-            self._scratch = torch.empty(widest, dtype=dtype, device=self.device)
-        with torch.no_grad():
-            for s in u.slots:
-                a, b = max(s.offset, lo), min(s.end, hi)
-                if a < b:
-                    full = self._scratch[:s.numel].view(s.shape)
-                    self.plan.init(s.name, full)  # type: ignore[misc]
-                    shard[a - lo:b - lo].copy_(full.view(-1)[a - s.offset:b - s.offset])
-        # untouched pages: reshard() releases the storage before anything reads it
-        u.params = torch.empty(u.padded_numel, dtype=dtype, device=self.device)
-        u.point_params_at(u.params)
-        return shard
+        return blocks(model, plan, named)
 
     def prefetch(self, u: ShardedUnit | None) -> None:
         if u is not None and self.cfg.prefetch:
@@ -160,11 +112,6 @@ class ZeRO3(ZeRO2):
             u.reshard()
             u.gathered_for_backward = False
 
-    def after_publish(self) -> None:
-        if self.fp8_gather:
-            with torch.no_grad():
-                refresh_all(self.units, self.comm)
-
     def publish(self, u: ShardedUnit) -> None:
         self.write_master_into(u, u.shard)
         if u.persistent:
@@ -180,10 +127,6 @@ class ZeRO3(ZeRO2):
         finally:
             for u in self.units:
                 u.reshard()
-
-    def param_tensors(self) -> list[Tensor]:
-        return [u.shard for u in self.units] + [u.params for u in self.units
-                                                if u.params.untyped_storage().nbytes()]
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)
