@@ -33,12 +33,9 @@ from zerotrain.checkpoint.module_state import aliases, buffers, rng_state, set_r
 from zerotrain.comm.collectives import Comm
 from zerotrain.comm.dist import (
     bind_device,
-    init_distributed,
-    launched_by_torchrun,
     patient_barrier,
 )
 from zerotrain.config import Config
-from zerotrain.deepspeed_config import load_any_config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import PhasePeaks, phase_estimates
 from zerotrain.models import Plan, plan_for
@@ -50,7 +47,7 @@ from zerotrain.numerics.precision import PrecisionPolicy, apply_tf32
 from zerotrain.numerics.scaler import LossScaler
 from zerotrain.optim import build_optimizer, is_elementwise
 from zerotrain.optim.groups import group_hyperparameters
-from zerotrain.optim.schedule import describe, lr_from_config, schedule_kwargs
+from zerotrain.optim.schedule import lr_from_config
 from zerotrain.zero import Strategy, build_strategy, run_shape
 from zerotrain.zero.state import WeightReader
 
@@ -93,27 +90,7 @@ class Engine(DeepSpeedAPI):
                          timeout_s=config.comm.timeout_s, grad_group=config.comm.grad_group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
-        # sequence.parallel > 1: groups of S ranks share each sequence (models/ulysses.py);
-        # the forward slices the batch, the backward divides by the data-parallel degree
-        self.sp = SequenceParallel(config.sequence.parallel, self.comm, model) \
-            if config.sequence.parallel > 1 else None
-        self.dp_size = self.sp.dp_size if self.sp is not None else self.world_size
-        self.plan = plan or plan_for(model)
-        self.strategy: Strategy = build_strategy(
-            model, self.plan, self.policy, self.comm, config.zero, self.device,
-            elementwise=is_elementwise(config.optimizer.name), pretrained=weights is not None,
-            fp8_gather=config.precision.fp8.all_gather)
-        if weights is not None:
-            self.strategy.load_weights(weights)
-        # long sequences: checkpointing of the plan's blocks, tiles of the head and MLP
-        note = apply_long_sequence(model, self.plan.blocks, config.model.activation_checkpointing,
-                                   config.sequence.tile_tokens, self.device)
-        if note and self.rank == 0:
-            print(note, flush=True)
-        # FP8 layers share the parameters the strategy just laid out (nothing moves); their
-        # amax-history buffers are made on the device
-        self.fp8 = convert_to_fp8(model, self.plan, config.precision.fp8) \
-            if config.precision.fp8.enabled else None
+        self._lay_out(model, plan, weights)
         groups = self.strategy.param_groups(self.group_options())
         self.optimizer = build_optimizer(config.optimizer, groups,
                                          agree=self._agree if self.world_size > 1 else None)
@@ -147,6 +124,33 @@ class Engine(DeepSpeedAPI):
             if self.sp is not None:
                 return self.sp.forward(self.module, args, kwargs)
             return self.module(*args, **kwargs)
+
+    def _lay_out(self, model: nn.Module, plan: Plan | None, weights: WeightReader | None
+                 ) -> None:
+        """The model's side of init: sequence groups, the strategy (parameters laid out,
+        pretrained values read), long-sequence wiring and FP8 layers, in that order."""
+        config = self.config
+        # sequence.parallel > 1: groups of S ranks share each sequence (models/ulysses.py);
+        # the forward slices the batch, the backward divides by the data-parallel degree
+        self.sp = SequenceParallel(config.sequence.parallel, self.comm, model) \
+            if config.sequence.parallel > 1 else None
+        self.dp_size = self.sp.dp_size if self.sp is not None else self.world_size
+        self.plan = plan or plan_for(model)
+        self.strategy: Strategy = build_strategy(
+            model, self.plan, self.policy, self.comm, config.zero, self.device,
+            elementwise=is_elementwise(config.optimizer.name), pretrained=weights is not None,
+            fp8_gather=config.precision.fp8.all_gather)
+        if weights is not None:
+            self.strategy.load_weights(weights)
+        # long sequences: checkpointing of the plan's blocks, tiles of the head and MLP
+        note = apply_long_sequence(model, self.plan.blocks, config.model.activation_checkpointing,
+                                   config.sequence.tile_tokens, self.device)
+        if note and self.rank == 0:
+            print(note, flush=True)
+        # FP8 layers share the parameters the strategy just laid out (nothing moves); their
+        # amax-history buffers are made on the device
+        self.fp8 = convert_to_fp8(model, self.plan, config.precision.fp8) \
+            if config.precision.fp8.enabled else None
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -388,25 +392,3 @@ class Engine(DeepSpeedAPI):
 
     def close(self) -> None:
         self.strategy.close()
-
-
-def initialize(model: nn.Module, config: Config | dict | str | Path | None = None,
-               device: torch.device | None = None, *, overrides: dict | list | None = None
-               ) -> Engine:
-    """Open the process group if torchrun started us, then build the Engine.
-
-    `config`: a Config, a dict or YAML/JSON file of zerotrain's sections, or a DeepSpeed
-    config (dict or JSON file; told apart by its keys). A zerotrain config that sets no
-    schedule trains at a constant lr (the library defaults), as DeepSpeed users expect.
-    """
-    cfg = load_any_config(config, overrides=overrides, library=True)
-    if launched_by_torchrun() and not torch.distributed.is_initialized():
-        init_distributed(cfg.train.device, cfg.comm.backend, cfg.comm.timeout_s)
-    engine = Engine(model, cfg, device)
-    for line in engine.strategy.describe() if engine.rank == 0 else []:
-        print(f"[zerotrain] {line}", flush=True)
-    sched = cfg.schedule
-    if engine.rank == 0 and (sched.kind != "constant" or sched.warmup_steps):
-        lr = describe(cfg.optimizer.lr, cfg.train.steps, **schedule_kwargs(sched))
-        print(f"[zerotrain] {lr}", flush=True)
-    return engine
