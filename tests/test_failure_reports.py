@@ -141,21 +141,28 @@ with Preemption(announce=True) as p:
 """
 
 
+def _ctrl_c_twice(p: subprocess.Popen, settle: float, between: float, wait: float) -> str:
+    """Ctrl-C a process once it says "ready", check the first one did not end it, Ctrl-C
+    again; its stderr."""
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(settle)
+        p.send_signal(signal.SIGINT)
+        time.sleep(between)
+        assert p.poll() is None  # the first Ctrl-C only asks to stop after the step
+        p.send_signal(signal.SIGINT)
+        p.wait(wait)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.stderr.read()
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_aborts_a_step_that_never_ends(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "ready"
-        p.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        assert p.poll() is None  # the first one only asks to stop after the step
-        p.send_signal(signal.SIGINT)
-        p.wait(10)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    err = p.stderr.read()
+    err = _ctrl_c_twice(p, settle=0.0, between=0.5, wait=10)
     assert p.returncode == 130, err
     lines = err.strip().splitlines()
     assert lines[0].endswith("press Ctrl-C again to abort without saving"), err
@@ -210,18 +217,9 @@ def test_a_second_ctrl_c_to_the_launcher_aborts_ranks_that_do_not_stop():
     env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert p.stdout.readline().strip() == "ready"
-        time.sleep(0.5)  # both ranks up (they ignore SIGINT from the start)
-        p.send_signal(signal.SIGINT)
-        time.sleep(1.0)
-        assert p.poll() is None  # the ranks were asked to save and stop; they take time
-        p.send_signal(signal.SIGINT)
-        p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    err = p.stderr.read()
+    # settle: both ranks up (they ignore SIGINT from the start); between: the ranks were
+    # asked to save and stop, and take time
+    err = _ctrl_c_twice(p, settle=0.5, between=1.0, wait=30)
     assert p.returncode == 130, err
     assert "press Ctrl-C again to abort without saving" in err
     assert err.strip().splitlines()[-1].startswith(

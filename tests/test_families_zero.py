@@ -5,10 +5,10 @@ process does: their plans (units, groups) work with every strategy."""
 import torch
 import transformers
 
-from zerotrain.models import build_model, plan_for, pretrained_weights
+from zerotrain.models import build_model, plan_for
 
 from multirank import run_ranks
-from zero_harness import batches, full_params, make_config, rel_err
+from zero_harness import batches, built_engine, full_params, make_config, rel_err
 
 SEQ = 16
 
@@ -30,16 +30,10 @@ def model_overrides(kind: str, folder: str) -> dict:
 
 def train(kind: str, folder: str, stage: int, steps: int = 6) -> dict:
     from zerotrain.comm.dist import world
-    from zerotrain.engine import Engine
 
     rank, n = world()
     cfg = make_config({**model_overrides(kind, folder), "zero": {"stage": stage}}, n, steps)
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    weights = pretrained_weights(cfg.model, model)
-    if weights is not None:
-        weights.load_into(model)
-    eng = Engine(model, cfg, torch.device("cpu"))
+    eng = built_engine(cfg)
     b = cfg.data.micro_batch_size
     losses = []
     for X, Y in batches(steps):

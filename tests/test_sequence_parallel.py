@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from zerotrain.config import ConfigError, build_config, deep_merge
-from zerotrain.models import build_model, pretrained_weights
 
 from multirank import run_ranks
+from zero_harness import built_engine
 
 SEQ, B, VOCAB, STEPS = 16, 2, 256, 2
 
@@ -74,16 +74,10 @@ def train(kind: str, folder: str, stage: int, sp: int, group_size: int,
           extra: dict | None = None) -> dict:
     """Train STEPS steps; rank r gets the batch of group r // group_size."""
     from zerotrain.comm.dist import world
-    from zerotrain.engine import Engine
 
     rank, _ = world()
     cfg = config(kind, folder, stage, sp, extra)
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    weights = pretrained_weights(cfg.model, model)
-    if weights is not None:
-        weights.load_into(model)
-    eng = Engine(model, cfg, torch.device("cpu"))
+    eng = built_engine(cfg)
     losses, norms, traffic = [], [], []
     for step in range(STEPS):
         x, y = group_batch(step, rank // group_size)

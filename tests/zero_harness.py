@@ -154,3 +154,17 @@ def train_losses(run_dir) -> dict[int, float]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     recs = [json.loads(x) for x in lines]
     return {r["step"]: r["loss"] for r in recs if r["type"] == "train"}
+
+
+def built_engine(cfg):
+    """The config's model (its pretrained weights loaded, if it names any) in an Engine on
+    the CPU — the setup the families' and sequence-parallel tests compare against."""
+    from zerotrain.engine import Engine
+    from zerotrain.models import build_model, pretrained_weights
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    weights = pretrained_weights(cfg.model, model)
+    if weights is not None:
+        weights.load_into(model)
+    return Engine(model, cfg, torch.device("cpu"))

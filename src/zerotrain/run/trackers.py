@@ -20,7 +20,7 @@ import csv
 import importlib.util
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -228,21 +228,17 @@ def make_trackers(cfg: Config, run_dir: str | Path, rank: int,
     check_backends(backends)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    made: list[Tracker] = []
-    where: list[str] = []
-    for b in backends:
-        if b == "jsonl":
-            made.append(JsonlTracker(run_dir / "metrics.jsonl", resume_step))
-            where.append(str(run_dir / "metrics.jsonl"))
-        elif b == "csv":
-            made.append(CsvTracker(run_dir, resume_step))
-            where.append(str(run_dir / "metrics-*.csv"))
-        elif b == "tensorboard":
-            made.append(TensorBoardTracker(run_dir / "tensorboard", resume_step))
-            where.append(str(run_dir / "tensorboard"))
-        elif b == "wandb":
-            made.append(WandbTracker(run_dir, cfg))
-            where.append(str(run_dir / "wandb"))
+    # each backend: how it is made, and where its records go (the run summary names it)
+    kinds: dict[str, tuple[Callable[[], Tracker], Path]] = {
+        "jsonl": (lambda: JsonlTracker(run_dir / "metrics.jsonl", resume_step),
+                  run_dir / "metrics.jsonl"),
+        "csv": (lambda: CsvTracker(run_dir, resume_step), run_dir / "metrics-*.csv"),
+        "tensorboard": (lambda: TensorBoardTracker(run_dir / "tensorboard", resume_step),
+                        run_dir / "tensorboard"),
+        "wandb": (lambda: WandbTracker(run_dir, cfg), run_dir / "wandb"),
+    }
+    made = [kinds[b][0]() for b in backends]
+    where = [str(kinds[b][1]) for b in backends]
     if "jsonl" not in backends:  # a stale file would read as this run's
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     return Trackers(made, keep=True, where=where)
