@@ -29,7 +29,27 @@ class ZeroConfig(_Section):
     stage: Literal[0, 1, 2, 3] = 0
     bucket_mb: float = Field(25.0, gt=0.0, description="size of flat communication buckets")
     overlap: bool = Field(True, description="overlap gradient communication with backward")
-    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="where the sharded gradients, FP32 masters and optimizer states "
+        "live between steps (stages 2-3): device memory (none), host memory (cpu, "
+        "ZeRO-Offload) or files under zero.nvme_path (nvme, ZeRO-Infinity; stage 3)")
+    offload_param: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="ZeRO-3: where each unit's parameter shard lives between its "
+        "uses: device memory (none), host memory (cpu) or files under zero.nvme_path (nvme); "
+        "fetched for the unit's forward and backward, zero.offload_prefetch units ahead")
+    nvme_path: str | None = Field(
+        None, description="a directory for the run's own offload files (nvme tiers); its "
+        "free space is checked before start and the files are removed at exit")
+    offload_prefetch: int = Field(
+        1, ge=0, le=8, description="offload tiers: units fetched ahead of the one computing "
+        "(and optimizer units read ahead of the one updating); 0: no overlap")
+    nvme_threads: int = Field(4, ge=1, le=64, description="nvme: I/O threads")
+    nvme_block_mb: float = Field(
+        1.0, gt=0.0, le=256.0,
+        description="nvme: size of one read/write request (aligned to 4 KiB)")
+    nvme_direct: bool | Literal["auto"] = Field(
+        "auto", description="nvme: O_DIRECT reads/writes (bypass the page cache); auto: when "
+        "the filesystem allows, buffered otherwise (said once)")
     param_persistence_threshold: int = Field(
         0, ge=0, description="ZeRO-3: units with fewer elements stay gathered between uses"
     )
@@ -67,6 +87,15 @@ class ZeroConfig(_Section):
         if self.offload_optimizer != "none" and not offload_allowed(self.stage):
             raise ValueError("zero.offload_optimizer needs zero.stage 2 or 3 (it offloads the "
                              "sharded gradients, master weights and optimizer states)")
+        if self.offload_optimizer == "nvme" and self.stage != 3:
+            raise ValueError("zero.offload_optimizer nvme needs zero.stage 3 (set zero.stage: 3, "
+                             "or offload_optimizer: cpu)")
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError("zero.offload_param needs zero.stage 3 (only ZeRO-3 shards the "
+                             f"parameters; got stage {self.stage}): set zero.stage: 3")
+        if "nvme" in (self.offload_param, self.offload_optimizer) and not self.nvme_path:
+            raise ValueError("an nvme offload tier needs zero.nvme_path (a directory on a fast "
+                             "local disk, e.g. zero.nvme_path: /local_nvme/zerotrain)")
         return self
 
 
