@@ -70,7 +70,8 @@ def align_for(device_type: str, policy: PrecisionPolicy) -> int:
 
 def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
               world: int) -> RunShape:
-    """The shape of a run of strategy class `cls` (its declarations and its cut) over
+    """The shape of a run of strategy kind `cls` (`zero.placement.Kind`: its stage's
+    declarations and cut, its placement's `offloads`) over
     `model` (a meta model does: only shapes are read) at `world` ranks."""
     policy = PrecisionPolicy.from_config(cfg.precision)
     named = trainable(model, plan)
