@@ -28,7 +28,7 @@ from zerotrain.zero.offload import HostOffload
 from zerotrain.zero.partition import Partition
 from zerotrain.zero.placement import Kind, OnDevice, Placement
 from zerotrain.zero.update import Elementwise, PerParameter, UnitByUnit, Updater
-from zerotrain.zero.wire import Fp8Gather, PlainWire
+from zerotrain.zero.wire import choose_wire
 from zerotrain.zero.zero1 import ZeRO1
 from zerotrain.zero.zero2 import ZeRO2
 from zerotrain.zero.zero3 import ZeRO3
@@ -69,15 +69,13 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     kind = strategy_class(cfg)
     cls = kind.stage_class
     placement = kind.placement(device)
-    wire = PlainWire()
-    if fp8_gather and "params" in cls.shards:
-        wire = Fp8Gather(frozenset(f"{m}.weight" for m in plan.fp8_linears))
     part = Partition.of(comm)
     grads = placement.make_grads(cls, policy, cfg.in_flight(device.type))
     units = build_units(cls, model, plan, policy, part, cfg, device,
                         InitValues(model, plan, skip=pretrained), placement)
     return cls(model, plan, policy, part, cfg, device, units, grads,
-               updater=choose_updater(kind, elementwise, placement), wire=wire,
+               updater=choose_updater(kind, elementwise, placement),
+               wire=choose_wire(cls.shards, plan, cfg, fp8_gather=fp8_gather),
                placement=placement)
 
 
