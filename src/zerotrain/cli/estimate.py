@@ -35,8 +35,8 @@ from zerotrain.memory import (
     steady_peak,
     traffic_per_step,
 )
-from zerotrain.models import model_size
 from zerotrain.optim import state_bytes_per_param
+from zerotrain.zero.cut import model_size
 
 if TYPE_CHECKING:
     from zerotrain.config import Config

@@ -2,18 +2,21 @@
 
 Two rules, each named by the strategy that uses it (`Strategy.cut`): stages 0-2 cut
 size-bounded buckets in reverse registration order (gradient readiness order); ZeRO-3
-cuts the plan's blocks plus a root unit for everything else (`models.plan.unit_members`,
-the plan's own answer to "which block owns which parameter"). The engine's strategy and
+cuts the plan's blocks plus a root unit for everything else (`unit_members`: which block
+owns which parameter, read from the plan's blocks; `unit_numels` / `model_size` count
+that cut on a meta model for the estimator). The engine's strategy and
 `zerotrain estimate` both cut through here, and `run_shape` turns the cut into the
 numbers the memory formulas read (`memory.RunShape`) without a live tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from zerotrain.config import Config, ZeroConfig
+from zerotrain.config import Config, ModelConfig, ZeroConfig
 from zerotrain.memory import (
     COMPILE_RUNTIME_BYTES,
     CPU_RETENTION,
@@ -21,7 +24,8 @@ from zerotrain.memory import (
     RunShape,
     shard_numel,
 )
-from zerotrain.models.plan import Plan, unit_members
+from zerotrain.models import build_model, count_params, on_meta, plan_for
+from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import resolve_compile, state_bytes_per_param
 from zerotrain.zero.flat import NamedParams, flat_end
@@ -61,6 +65,43 @@ def buckets(named: NamedParams, cfg: ZeroConfig, policy: PrecisionPolicy) -> lis
 def blocks(model: nn.Module, plan: Plan, named: NamedParams) -> list[UnitSpec]:
     """ZeRO-3: the plan's blocks, plus a root unit for everything else."""
     return [(name, ps, {"module": m}) for name, ps, m in unit_members(model, plan, named)]
+
+
+def unit_members(model: nn.Module, plan: Plan, named: list[tuple]
+                 ) -> list[tuple[str, list[tuple], nn.Module]]:
+    """ZeRO-3's units: (name, its entries of `named`, the module whose hooks drive it).
+
+    `named` holds (name, parameter, ...) tuples. Blocks claim their parameters first, in
+    order (a weight tied between a block and the rest belongs to the block); whatever is
+    left forms the root unit, driven by the model itself and listed first.
+    """
+    taken: set[int] = set()
+    blocks = []
+    for i, m in enumerate(plan.blocks):
+        ids = {id(p) for p in m.parameters()}
+        mine = [t for t in named if id(t[1]) in ids and id(t[1]) not in taken]
+        taken |= {id(t[1]) for t in mine}
+        if mine:
+            blocks.append((f"block{i}", mine, m))
+    root = [t for t in named if id(t[1]) not in taken]
+    return ([("root", root, model)] if root else []) + blocks
+
+
+def unit_numels(model_or_factory: nn.Module | Callable[[], nn.Module]) -> dict[str, int]:
+    """Elements per ZeRO-3 unit, by the very rule ZeRO-3 cuts with (`unit_members`).
+
+    ZeRO-3 materialises one unit at a time, so the largest sets the transient memory.
+    """
+    model = on_meta(model_or_factory)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {name: sum(t[1].numel() for t in ps)
+            for name, ps, _ in unit_members(model, plan_for(model), named)}
+
+
+def model_size(model_cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, largest ZeRO-3 unit) of the model a config describes."""
+    model = build_model(model_cfg, device="meta")
+    return count_params(model), max(unit_numels(model).values(), default=0)
 
 
 def align_for(device_type: str, policy: PrecisionPolicy) -> int:
