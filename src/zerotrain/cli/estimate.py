@@ -286,7 +286,8 @@ def _longest(s: dict, row: Row) -> dict:
 def _tiers_of(est: MemoryEstimate, shape) -> dict:
     """The JSON of a row's tiers: where each state lives, the buffers, bytes moved."""
     moves = tier_traffic(shape)
-    return {"tiers": {f: shape.tier(f) for f in FIELDS}, "disk": est.disk,
+    return {"shards": sorted(shape.shards), "tiers": {f: shape.tier(f) for f in FIELDS},
+            "disk": est.disk,
             "disk_total": est.disk_total, "staging": est.staging,
             "tier_traffic": {"micro_steps": shape.micro_steps, **moves.per_tier(),
                              "moves": [asdict(m) for m in moves.moves]}}

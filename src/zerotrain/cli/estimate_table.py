@@ -110,7 +110,7 @@ def _notes(rep: dict, unit: tuple[str, int]) -> list[str]:
         d2h, h2d = off["device_to_host_bytes"] / u, off["host_to_device_bytes"] / u
         lines.append(f"offload rows also copy per step and rank: {d2h:.2f} {name} grad shard "
                      f"device→host, {h2d:.2f} {name} param shard host→device (not in 'sent')")
-    if any(r["stage"] == 3 for r in rep["rows"]) and not rep["largest_unit"]:
+    if any("params" in r["shards"] for r in rep["rows"]) and not rep["largest_unit"]:
         lines.append("ZeRO-3 'gathered' (the largest unit's full params) not counted: "
                      "pass --model or --largest-unit"
                      + (" (nor the tiers' buffers, a few unit shards)" if tiered(rep) else ""))
