@@ -22,6 +22,7 @@ from zerotrain.memory import (
     CPU_RETENTION,
     BytesPerParam,
     RunShape,
+    declared_offloads,
     shard_numel,
 )
 from zerotrain.models import build_model, count_params, on_meta, plan_for
@@ -128,8 +129,12 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
                         policy.master_dtype.itemsize if policy.master_dtype else 0, k)
     widest = max(p.numel() for _, p, _ in named)
     cpu = device_type == "cpu"
+    # the tiers the config asks for (zero.offload_param / offload_optimizer, issue 25)
+    offloads, disk = declared_offloads(cfg.zero.offload_optimizer, cfg.zero.offload_param)
     return RunShape(
-        numels, world, bpp, cls.shards, cls.offloads, largest_unit=max(numels),
+        numels, world, bpp, cls.shards, cls.offloads | offloads, disk,
+        offload_prefetch=cfg.zero.offload_prefetch, micro_steps=cfg.data.grad_accum_steps,
+        largest_unit=max(numels),
         widest_param=widest, reduce_bytes=policy.reduce_dtype.itemsize,
         in_flight=cfg.zero.in_flight(device_type), prefetch=cfg.zero.prefetch,
         high_water=cpu, lazy_grads=cpu,
