@@ -4,6 +4,7 @@ once and handed to the stage, and the wire, chosen in zero/wire.py from the conf
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from zerotrain.config import build_config
 from zerotrain.models import build_model, plan_for
@@ -40,3 +41,73 @@ def test_the_wire_is_chosen_from_the_config_in_wire_py():
     # only ZeRO-3 gathers parameters: other stages, or no FP8 gather, travel plain
     assert type(choose_wire(ZeRO2.shards, plan, cfg.zero, fp8_gather=True)) is PlainWire
     assert type(choose_wire(ZeRO3.shards, plan, cfg.zero)) is PlainWire
+
+
+class Shuffled(nn.Module):
+    """Blocks used out of their module (and plan) order."""
+
+    ORDER = (2, 0, 3, 1)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+                                    for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i in self.ORDER:
+            h = h + self.blocks[i](h)
+        return self.head(h)
+
+
+def _train_shuffled(prefetch: bool, monkeypatch) -> tuple[list, list, list]:
+    """3 steps of ZeRO-3 over `Shuffled`; every real gather logged as (unit, async)."""
+    from zerotrain.engine import Engine
+    from zerotrain.zero.unit import ShardedUnit, UnitState
+
+    log: list[tuple[str, bool]] = []
+    real = ShardedUnit.unshard
+
+    def unshard(self, comm, async_op=True, exact=False):
+        if self.state is UnitState.SHARDED:
+            log.append((self.name, async_op))
+        return real(self, comm, async_op, exact)
+
+    monkeypatch.setattr(ShardedUnit, "unshard", unshard)
+    cfg = build_config({"zero": {"stage": 3, "prefetch": prefetch,
+                                 "param_persistence_threshold": 0},
+                        "train": {"device": "cpu"}})
+    torch.manual_seed(0)
+    eng = Engine(Shuffled(), cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    losses, logs = [], []
+    for _ in range(3):
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        log.clear()
+        loss = nn.functional.cross_entropy(eng(x), y)
+        forward = list(log)
+        eng.backward(loss)
+        logs.append((forward, log[len(forward):]))
+        eng.step()
+        losses.append(float(loss.detach()))
+    masters = [u.master.clone() for u in eng.strategy.units]
+    eng.close()
+    return losses, masters, logs
+
+
+def test_zero3_prefetches_the_unit_the_first_forward_ran_next(monkeypatch):
+    losses, masters, logs = _train_shuffled(True, monkeypatch)
+    used = [f"block{i}" for i in Shuffled.ORDER]
+    # after the first forward: root gathered, then each block prefetched (async) in the
+    # order the model ran them; backward: root, then the blocks in reverse
+    for forward, _ in logs[1:]:
+        assert forward == [("root", False)] + [(b, True) for b in used], forward
+    for _, backward in logs:
+        assert backward == [("root", False)] + [(b, True) for b in used[::-1]], backward
+    # the first forward could only guess (the plan's order): block2 was not prefetched
+    assert ("block2", False) in logs[0][0]
+    ref_losses, ref_masters, _ = _train_shuffled(False, monkeypatch)
+    assert losses == ref_losses and len(set(losses)) == 3
+    assert all(torch.equal(a, b) for a, b in zip(masters, ref_masters, strict=True))

@@ -1,10 +1,11 @@
 """Who shares a flat buffer: the ranks a unit is cut across, and the Comm that joins them.
 
-A `Partition` is a value chosen once when a strategy is built. The flat layout
-(`zero/flat.py`) reads only `world` and `rank` from it; the strategy talks to the other
-ranks through `comm`. A hierarchical partition (ZeRO++'s hpZ: parameters sharded within
-a node, gradients and states across all ranks) would be a second Partition over a
-`comm.subgroup(...)`, handed to the parameter store alone.
+A `Partition` is a value chosen once when a strategy is built. Each flat unit
+(`zero/flat.py`) holds the one it is cut across and reads only `world` and `rank` from
+it; the strategy talks to the other ranks through `comm`. A hierarchical partition
+(ZeRO++'s hpZ: parameters sharded within a node, gradients and states across all ranks)
+would be a second Partition over a `comm.subgroup(...)`, handed to the parameter store
+alone.
 """
 
 from __future__ import annotations

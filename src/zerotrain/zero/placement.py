@@ -12,12 +12,14 @@ which placement it holds.
   states in (pinned) host memory, the CPU updates, publishes are asynchronous and fenced.
 
 Where another tier plugs in (ZeRO-Infinity, issue 25): a tier is one more `Placement`
-subclass with these methods (an NVMe optimizer tier: `zeros` maps its buffers, `fence`
-waits for a swap-in, `write_master`/`close` as here), made by `choose_placement` in
-zero/__init__.py from the config; `offloads` names the states it moves off the device so
-the memory model reads it (`memory.RunShape.offloads`). Parameter shards are ZeRO-3's own
-(`ShardedUnit.shard`); a parameter tier (`zero.offload_param`) is a second part handed to
-ZeRO-3 beside this one, not a method here.
+subclass with these methods (an NVMe optimizer tier: `zeros` makes its buffers, `fence`
+waits for a swap-in, `write_master`/`close` as here), entered in `PLACEMENTS` in
+zero/__init__.py under its `zero.offload_optimizer` value (`strategy_class` raises for
+nvme until then); `offloads` names the states it moves off the device, which is what the
+memory model reads (`Kind.offloads` -> `memory.RunShape.offloads`). Parameter shards are
+ZeRO-3's own (`ShardedUnit.shard`, made in zero/build.py `_sharded`, read by `unshard`);
+a parameter tier (`zero.offload_param`) is a second part of that kind handed to ZeRO-3
+beside this one — where shards are made and fetched before a gather — not a method here.
 """
 
 from __future__ import annotations

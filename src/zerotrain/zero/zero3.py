@@ -9,6 +9,12 @@ unit's life with FSDP-like verbs (`zero/unit.py`):
   backward: output-grad hook  unshard again, prefetch the previous unit
             gradients complete  reduce-scatter them (ZeRO-2), reshard
 
+"Next" is what the model actually runs, not what the plan lists: the first forward
+records the order in which units are gathered (pre-hooks) and finished (post-hooks), as
+FSDP does; from then on forward prefetches the recorded next unit and backward the next
+in reverse finishing order (the root, which wraps everything, finishes last and so comes
+first). Until the record is complete (the first forward) the plan's order is the guess.
+
 Units smaller than `zero.param_persistence_threshold` elements stay gathered (their
 traffic would be all latency); they are all-gathered after each update, as in ZeRO-2.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from itertools import pairwise
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +54,11 @@ class ZeRO3(ZeRO2):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._root = next((u for u in self.units if u.module is self.model), None)
-        self._blocks = [u for u in self.units if u is not self._root]  # execution order
+        self._blocks = [u for u in self.units if u is not self._root]  # the plan's order
+        self._started: list[ShardedUnit] = []   # first forward: units by pre-hook
+        self._finished: list[ShardedUnit] = []  # first forward: units by post-hook
+        #: once recorded: each unit's next unit in forward, and in backward
+        self._next: tuple[dict, dict] | None = None
         for u in self.units:
             assert u.module is not None
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
@@ -66,7 +77,10 @@ class ZeRO3(ZeRO2):
             u.unshard(self.comm, async_op=True)
 
     def _neighbour(self, u: ShardedUnit, forward: bool) -> ShardedUnit | None:
-        """Execution order: root first, then blocks forward (or last-to-first backward)."""
+        """The unit that runs after `u`: recorded from the first forward, else the plan's
+        guess (root first, then blocks forward, or last-to-first backward)."""
+        if self._next is not None:
+            return self._next[0 if forward else 1].get(u)
         blocks = self._blocks
         if not blocks:
             return None
@@ -76,9 +90,20 @@ class ZeRO3(ZeRO2):
         return blocks[i] if 0 <= i < len(blocks) else None
 
     # ------------------------------------------------------------ module hooks
+    def _record(self, seen: list[ShardedUnit], u: ShardedUnit) -> None:
+        if self._next is None and u not in seen:
+            seen.append(u)
+
+    def _end_record(self) -> None:
+        """The first forward is over: fix each unit's successor in both directions."""
+        if self._next is None and self._started:
+            back = self._finished[::-1]
+            self._next = (dict(pairwise(self._started)), dict(pairwise(back)))
+
     def _pre_forward(self, u: ShardedUnit, module: nn.Module, args) -> None:
         if in_backward():  # activation-checkpoint recompute: gathered for backward already
             return
+        self._record(self._started, u)
         u.unshard(self.comm, async_op=False)
         u.wait_unshard()
         self.prefetch(self._neighbour(u, forward=True))
@@ -87,7 +112,9 @@ class ZeRO3(ZeRO2):
         if in_backward():
             return output
         u.reshard()
+        self._record(self._finished, u)
         if u is self._root:  # drop prefetches the forward never consumed
+            self._end_record()
             for other in self.units:
                 other.reshard()
         for t in tree_flatten(output)[0]:
@@ -96,6 +123,7 @@ class ZeRO3(ZeRO2):
         return output
 
     def _pre_backward(self, u: ShardedUnit, grad: Tensor) -> None:
+        self._end_record()  # no root unit: the forward ended when backward began
         if not u.gathered_for_backward:
             u.gathered_for_backward = True
             u.unshard(self.comm, async_op=False)
