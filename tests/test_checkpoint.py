@@ -328,7 +328,7 @@ def test_prune_and_resolve_decode_latest_the_same_way(tmp_path):
     for raw in (b"\xff\xfe", b"../step_3", b"", b"a\0b"):
         (tmp_path / "latest").write_bytes(raw)
         assert latest_name(tmp_path) is None
-        with pytest.raises(CheckpointError, match="latest' is damaged .* resume one with"):
+        with pytest.raises(CheckpointError, match=r"latest' is damaged .* resume one with"):
             resolve(tmp_path)
     prune(tmp_path, keep=1)
     assert steps() == ["step_3"]
