@@ -134,6 +134,18 @@ def edit_fate(probe: dict[str, Any]) -> str:
     return "→".join(seen(probe[k]) for k in ("after_edit", "after_step1", "end"))
 
 
+CLIENT_LR, CONFIG_LR = 7e-4, 2e-3  # `clientcfg`: the client optimizer's lr, the config's
+
+
+def judge_case(row: dict[str, Any], ds: dict, zt: dict, tol: float) -> None:
+    """What a case checks beyond the losses and lrs agreeing."""
+    if row["case"] == "gathered":
+        judge_gathered(row, ds, zt, tol)
+    elif row["case"] == "clientcfg":  # the lr applied says whose optimizer runs
+        row["lr_applied"] = {"deepspeed": ds["lrs"][0][0], "zerotrain": zt["lrs"][0][0]}
+        row["ok"] = row["ok"] and abs(ds["lrs"][0][0] - CLIENT_LR) < 1e-12
+
+
 def judge_gathered(row: dict[str, Any], ds: dict, zt: dict, tol: float) -> None:
     """`gathered` differs by design after step 1: DeepSpeed's next step writes its fp32
     masters (copied at `initialize`, before the edit) back over the edit; zerotrain makes
@@ -160,6 +172,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             return r["error"]
         text = f"{num(r['loss_rel'])} / {num(r['lr_rel'])}"
+        if "lr_applied" in r:
+            text += (f"; lr applied {r['lr_applied']['deepspeed']:g} / "
+                     f"{r['lr_applied']['zerotrain']:g} (client {CLIENT_LR:g}, config "
+                     f"{CONFIG_LR:g})")
         if "edit" in r:  # the loss parts by design after step 1: say where the edit went
             text = (f"step 1: {num(r['first_loss_rel'])} / {num(r['lr_rel'])}; ranks seeing "
                     f"the edit: DS {r['edit']['deepspeed']}, zt {r['edit']['zerotrain']}")
@@ -226,8 +242,7 @@ def main() -> int:
                                    for x, y in zip(zs, ds_, strict=True)),
                         final_loss=(ds["losses"][-1], zt["losses"][-1]))
                     row["ok"] = row["loss_rel"] <= a.tol and row["lr_rel"] <= a.tol
-                    if case == "gathered":
-                        judge_gathered(row, ds, zt, a.tol)
+                    judge_case(row, ds, zt, a.tol)
                 rows = [r for r in rows if (r["case"], r["stage"]) != (case, stage)] + [row]
                 write()
                 print(json.dumps({k: v for k, v in row.items()
