@@ -17,8 +17,9 @@ zero.Init, rank 0 loads the weights inside GatheredParameters(modifier_rank=0); 
 only: below it DeepSpeed's partitioned weights reach the forward and it fails),
 `gathered` (as `config`; after `initialize` rank 0 writes head.bias inside
 GatheredParameters(modifier_rank=0); the cell gives step 1's loss / the lrs, and how many
-ranks see the edit after the block → after step 1 → at the end: DeepSpeed's next step
-restores its fp32 masters, zerotrain keeps the edit, so later losses part by design),
+ranks see the edit after the block → after step 1 → at the end: DeepSpeed broadcasts
+it at ZeRO-3 only and its next step restores its fp32 masters at ZeRO-1-3; zerotrain
+keeps the edit on every rank, so later losses part by design),
 `resume` (as `config`; DeepSpeed saves its checkpoint after 6 steps and goes on,
 zerotrain.deepspeed loads DeepSpeed's folder into a fresh engine and continues: the
 continuations are compared), `convert` (the same through `zerotrain convert
@@ -148,10 +149,11 @@ def judge_case(row: dict[str, Any], ds: dict, zt: dict, tol: float) -> None:
 
 def judge_gathered(row: dict[str, Any], ds: dict, zt: dict, tol: float) -> None:
     """`gathered` differs by design after step 1: DeepSpeed's next step writes its fp32
-    masters (copied at `initialize`, before the edit) back over the edit; zerotrain makes
-    the edit every rank's master weights. The row passes when the first step agrees (both
-    forward the edited weights on rank 0), the lrs agree, and zerotrain keeps the edit on
-    every rank to the end."""
+    masters (copied at `initialize`, before the edit) back over the edit at ZeRO-1-3, and
+    below ZeRO-3 the edit reaches no other rank; zerotrain makes the edit every rank's
+    master weights. The row passes when the first step agrees (both forward the edited
+    weights on rank 0), the lrs agree, and zerotrain keeps the edit on every rank to the
+    end."""
     row["edit"] = {"deepspeed": edit_fate(ds["probe"]), "zerotrain": edit_fate(zt["probe"])}
     row["first_loss_rel"] = rel(zt["losses"][0], ds["losses"][0])
     kept = "→".join([f"{len(zt['probe']['end'])}/{len(zt['probe']['end'])}"] * 3)
