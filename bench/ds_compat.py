@@ -9,10 +9,17 @@ applies, side by side.
 
 Cases: `config` (AdamW + WarmupLR from the config, two param groups: no decay on
 biases and norms, training_data), `cosine` (the same with WarmupCosineLR), `client`
-(a client torch.optim.AdamW over the groups + a LambdaLR client scheduler), `sgd`
+(a client torch.optim.AdamW over the groups + a LambdaLR client scheduler), `clientcfg`
+(a client AdamW beside a config `optimizer` block with another lr and betas: the client's
+wins in both), `sgd`
 (client SGD, Nesterov momentum, a group with its own lr), `init` (built under
 zero.Init, rank 0 loads the weights inside GatheredParameters(modifier_rank=0); ZeRO-3
 only: below it DeepSpeed's partitioned weights reach the forward and it fails),
+`gathered` (as `config`; after `initialize` rank 0 writes head.bias inside
+GatheredParameters(modifier_rank=0); the cell gives step 1's loss / the lrs, and how many
+ranks see the edit after the block → after step 1 → at the end: DeepSpeed broadcasts
+it at ZeRO-3 only and its next step restores its fp32 masters at ZeRO-1-3; zerotrain
+keeps the edit on every rank, so later losses part by design),
 `resume` (as `config`; DeepSpeed saves its checkpoint after 6 steps and goes on,
 zerotrain.deepspeed loads DeepSpeed's folder into a fresh engine and continues: the
 continuations are compared), `convert` (the same through `zerotrain convert
@@ -35,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CASES = ("config", "cosine", "client", "sgd", "init", "resume", "convert", "accum")
+CASES = ("config", "cosine", "client", "clientcfg", "sgd", "init", "gathered", "resume",
+         "convert", "accum")
 SAVE_AT = 6  # `resume`: DeepSpeed saves here and goes on; zerotrain resumes from its files
 
 
@@ -46,10 +54,11 @@ def ds_config(stage: int, case: str) -> dict[str, Any]:
         "steps_per_print": 10**6}
     if case == "accum":
         cfg["gradient_accumulation_steps"] = 2
-    if case in ("config", "cosine", "init", "resume", "convert", "accum"):
+    if case in ("config", "cosine", "clientcfg", "init", "gathered", "resume", "convert",
+                "accum"):
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.999],
                                                         "eps": 1e-8, "weight_decay": 0.01}}
-    if case in ("config", "init", "resume", "convert", "accum"):
+    if case in ("config", "init", "gathered", "resume", "convert", "accum"):
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": 1e-4, "warmup_max_lr": 5e-3, "warmup_num_steps": 4}}
     if case == "cosine":
@@ -98,14 +107,58 @@ WHAT = {
     "cosine": "the same with WarmupCosineLR",
     "accum": "`config` with `gradient_accumulation_steps: 2`",
     "client": "client `torch.optim.AdamW` over the two groups + client `LambdaLR`",
+    "clientcfg": "client `torch.optim.AdamW` (lr 7e-4, betas 0.8/0.95) and a config "
+                 "`optimizer` block (AdamW, lr 2e-3): the client's must win",
     "sgd": "client `torch.optim.SGD` (Nesterov momentum), one group with its own lr",
     "init": "`zero.Init`; rank 0 loads the weights in `GatheredParameters(modifier_rank=0)` "
             "before `initialize` (DeepSpeed's works at ZeRO-3 only)",
+    "gathered": "`config`; after `initialize` rank 0 writes head.bias inside "
+                "`GatheredParameters(modifier_rank=0)`; ranks seeing the edit after the "
+                "block → step 1 → step 12",
     "resume": "DeepSpeed saves at step 6 and goes on; zerotrain loads DeepSpeed's folder "
               "into a fresh engine and goes on (steps 7-12 compared)",
     "convert": "the same through `zerotrain convert --from-deepspeed` and zerotrain's own "
                "checkpoint",
 }
+
+
+EDIT = [2.0, -2.0, 1.0, -1.0]  # what ds_script.py's `gathered` writes into head.bias
+
+
+def edit_fate(probe: dict[str, Any]) -> str:
+    """`gathered`: how many ranks see rank 0's edit of head.bias right after the block,
+    after step 1 and at the end, e.g. "2/2→0/2→0/2" (an Adam step moves a bias by at
+    most the lr, far less than the edit's distance from the initial values)."""
+    def seen(per_rank: list[list[float]]) -> str:
+        n = sum(max(abs(x - e) for x, e in zip(b, EDIT)) < 0.5 for b in per_rank)
+        return f"{n}/{len(per_rank)}"
+    return "→".join(seen(probe[k]) for k in ("after_edit", "after_step1", "end"))
+
+
+CLIENT_LR, CONFIG_LR = 7e-4, 2e-3  # `clientcfg`: the client optimizer's lr, the config's
+
+
+def judge_case(row: dict[str, Any], ds: dict, zt: dict, tol: float) -> None:
+    """What a case checks beyond the losses and lrs agreeing."""
+    if row["case"] == "gathered":
+        judge_gathered(row, ds, zt, tol)
+    elif row["case"] == "clientcfg":  # the lr applied says whose optimizer runs
+        row["lr_applied"] = {"deepspeed": ds["lrs"][0][0], "zerotrain": zt["lrs"][0][0]}
+        row["ok"] = row["ok"] and abs(ds["lrs"][0][0] - CLIENT_LR) < 1e-12
+
+
+def judge_gathered(row: dict[str, Any], ds: dict, zt: dict, tol: float) -> None:
+    """`gathered` differs by design after step 1: DeepSpeed's next step writes its fp32
+    masters (copied at `initialize`, before the edit) back over the edit at ZeRO-1-3, and
+    below ZeRO-3 the edit reaches no other rank; zerotrain makes the edit every rank's
+    master weights. The row passes when the first step agrees (both forward the edited
+    weights on rank 0), the lrs agree, and zerotrain keeps the edit on every rank to the
+    end."""
+    row["edit"] = {"deepspeed": edit_fate(ds["probe"]), "zerotrain": edit_fate(zt["probe"])}
+    row["first_loss_rel"] = rel(zt["losses"][0], ds["losses"][0])
+    kept = "→".join([f"{len(zt['probe']['end'])}/{len(zt['probe']['end'])}"] * 3)
+    row["ok"] = (row["first_loss_rel"] <= tol and row["lr_rel"] <= tol
+                 and row["edit"]["zerotrain"] == kept)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -118,7 +171,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     def cell(r: dict[str, Any] | None) -> str:
         if r is None:
             return "—"
-        return r["error"] if "error" in r else f"{num(r['loss_rel'])} / {num(r['lr_rel'])}"
+        if "error" in r:
+            return r["error"]
+        text = f"{num(r['loss_rel'])} / {num(r['lr_rel'])}"
+        if "lr_applied" in r:
+            text += (f"; lr applied {r['lr_applied']['deepspeed']:g} / "
+                     f"{r['lr_applied']['zerotrain']:g} (client {CLIENT_LR:g}, config "
+                     f"{CONFIG_LR:g})")
+        if "edit" in r:  # the loss parts by design after step 1: say where the edit went
+            text = (f"step 1: {num(r['first_loss_rel'])} / {num(r['lr_rel'])}; ranks seeing "
+                    f"the edit: DS {r['edit']['deepspeed']}, zt {r['edit']['zerotrain']}")
+        return text
     lines = ["| case | script | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |", "|---|---|---|---|---|---|"]
     for case in [c for c in WHAT if any(k[0] == c for k in by)]:
         lines.append(f"| {case} | {WHAT[case]} | "
@@ -181,6 +244,7 @@ def main() -> int:
                                    for x, y in zip(zs, ds_, strict=True)),
                         final_loss=(ds["losses"][-1], zt["losses"][-1]))
                     row["ok"] = row["loss_rel"] <= a.tol and row["lr_rel"] <= a.tol
+                    judge_case(row, ds, zt, a.tol)
                 rows = [r for r in rows if (r["case"], r["stage"]) != (case, stage)] + [row]
                 write()
                 print(json.dumps({k: v for k, v in row.items()

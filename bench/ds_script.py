@@ -40,6 +40,27 @@ def dataset(n=64):
     return torch.utils.data.TensorDataset(x, y)
 
 
+EDIT = [2.0, -2.0, 1.0, -1.0]  # `gathered`: rank 0 writes this into head.bias after initialize
+
+
+def bias_seen(module):
+    """head.bias whole, as every rank sees it (one list per rank)."""
+    with deepspeed.zero.GatheredParameters([module.head.bias]):
+        mine = module.head.bias.detach().cpu().tolist()
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, mine)
+    return out
+
+
+def edit_after_initialize(module):
+    """`gathered`: rank 0 edits head.bias inside GatheredParameters(modifier_rank=0)."""
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+        if torch.distributed.get_rank() == 0:
+            with torch.no_grad():
+                module.head.bias.copy_(torch.tensor(EDIT))
+    return bias_seen(module)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="config")
@@ -77,6 +98,8 @@ def main():
         kwargs["optimizer"] = torch.optim.AdamW(groups, lr=2e-3, betas=(0.9, 0.95))
         kwargs["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(
             kwargs["optimizer"], lambda s: 1.0 / (1 + 0.3 * s))
+    elif args.case == "clientcfg":  # the config has an `optimizer` block too (lr 2e-3)
+        kwargs["optimizer"] = torch.optim.AdamW(groups, lr=7e-4, betas=(0.8, 0.95))
     elif args.case == "sgd":
         groups[1]["lr"] = 5e-3
         kwargs["optimizer"] = torch.optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True)
@@ -84,6 +107,9 @@ def main():
         kwargs["model_parameters"] = groups
     engine, optimizer, loader, _ = deepspeed.initialize(
         args=args, model=net, training_data=dataset(), **kwargs)
+    probe = {}
+    if args.case == "gathered":
+        probe["after_edit"] = edit_after_initialize(engine.module)
     step = skip = 0
     if args.load:
         engine.load_checkpoint(args.load)
@@ -102,14 +128,18 @@ def main():
             engine.step()
             losses.append(loss.item())
             step += 1
+            if args.case == "gathered" and step == 1:
+                probe["after_step1"] = bias_seen(engine.module)
             if args.save and step == args.save_at:
                 engine.save_checkpoint(args.save)
             if step == args.steps:
                 break
+    if args.case == "gathered":
+        probe["end"] = bias_seen(engine.module)
     if engine.global_rank == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "lrs": lrs, "get_lr": engine.get_lr(),
-                       "stage": engine.zero_optimization_stage()}, f)
+                       "stage": engine.zero_optimization_stage(), "probe": probe}, f)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,19 @@ def test_bad_checkpoints(tmp_path):
     other = make_config({"model": {"n_layer": 3}}, 1, 10)
     with pytest.raises(CheckpointError, match=r"no tensor 'blocks.2.ln1.weight'"):
         Engine(GPT(other.model), other).load_checkpoint(ck)
+    meta_file = resolve(ck) / "meta.json"
+    good = meta_file.read_text()
+    for fmt, says in ((1, r"format 1, which this zerotrain no longer reads; export its "
+                          r"weights .* --model\.init_from weights\.safetensors"),
+                      (3, "format 3, this zerotrain reads format 2")):
+        meta_file.write_text(json.dumps(dict(json.loads(good), format=fmt)))
+        with pytest.raises(CheckpointError, match=says):
+            Engine(GPT(cfg.model), cfg).load_checkpoint(ck)
+    meta_file.write_text(json.dumps({k: v for k, v in json.loads(good).items()
+                                     if k != "checksums"}))
+    with pytest.raises(CheckpointError, match="is damaged: it lacks checksums"):
+        Engine(GPT(cfg.model), cfg).load_checkpoint(ck)
+    meta_file.write_text(good)
     (resolve(ck) / "rank00000.safetensors").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
         Engine(GPT(cfg.model), cfg).load_checkpoint(ck)
@@ -295,3 +308,29 @@ def test_cli_two_rank_stage0_checkpoint_exports_and_resumes_at_one_and_three(tmp
     # sizes: each extra rank adds its RNG state (5 KiB), its JSON and a safetensors header
     one, two, three = (_ckpt_bytes(tmp_path / run) for run in ("one", "two", "three"))
     assert 0 < two - one < 10_000 and 0 < three - two < 10_000, (one, two, three)
+
+
+def test_prune_and_resolve_decode_latest_the_same_way(tmp_path):
+    """One decoder of `latest`: prune keeps the folder it names, and a damaged `latest`
+    is None to prune (it keeps going) and one error to resolve."""
+    from zerotrain.checkpoint.io import latest_name, prune
+
+    def steps():
+        return sorted(p.name for p in tmp_path.glob("step_*"))
+
+    for i, saved_at in ((1, 10.0), (2, 20.0), (3, 30.0)):
+        (tmp_path / f"step_{i}").mkdir()
+        (tmp_path / f"step_{i}" / "meta.json").write_text(json.dumps({"saved_at": saved_at}))
+    (tmp_path / "latest").write_text("step_1\n")
+    assert latest_name(tmp_path) == "step_1"
+    prune(tmp_path, keep=1)
+    assert steps() == ["step_1", "step_3"]
+    for raw in (b"\xff\xfe", b"../step_3", b"", b"a\0b"):
+        (tmp_path / "latest").write_bytes(raw)
+        assert latest_name(tmp_path) is None
+        with pytest.raises(CheckpointError, match=r"latest' is damaged .* resume one with"):
+            resolve(tmp_path)
+    prune(tmp_path, keep=1)
+    assert steps() == ["step_3"]
+    (tmp_path / "latest").unlink()
+    assert latest_name(tmp_path) is None

@@ -13,9 +13,16 @@ import pytest
 from zerotrain.data.corpus import DataError, load_tokens, stdlib_sources, train_val_split
 from zerotrain.data.dataset import cached_shards, load_splits
 from zerotrain.data.sampler import WindowSampler, eval_batches
-from zerotrain.data.shards import prepare, token_dtype
+from zerotrain.data.shards import prepare
 from zerotrain.data.sources import split_text
-from zerotrain.data.token_shards import TokenShards
+from zerotrain.data.token_shards import (
+    ShardWriter,
+    TokenShards,
+    read_byte_file,
+    token_dtype,
+    write_byte_file,
+    write_manifest,
+)
 from zerotrain.data.tokenizer import ByteTokenizer, train_bpe
 from zerotrain.data.windows import ArrayWindows, SegmentWindows, permutation
 
@@ -211,3 +218,34 @@ def test_cached_shards_prepare_once_per_tokenizer(tmp_path):
     cached_shards(src, tok, tmp_path / "run")  # another tokenizer: prepared again
     assert TokenShards(out, tok).vocab_size == 280
     assert cached_shards(out, tok, tmp_path / "elsewhere") == out  # shards stay where they are
+
+
+@pytest.mark.parametrize("vocab", [300, 70_000])
+def test_writer_and_reader_round_trip_the_format(tmp_path, vocab):
+    """The one writer (ShardWriter + write_manifest) and the one reader (TokenShards)
+    agree on the bytes: pieces of any size, cut at shard_tokens, read back by pread and by
+    memmap; the legacy byte file likewise, and a byte file with a non-byte value is refused."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, 1000)
+    dtype = token_dtype(vocab)
+    writer = ShardWriter(tmp_path, dtype, 128)
+    for piece in np.split(tokens, [7, 300, 301, 999]):
+        writer.add(piece)
+    shards = writer.close()
+    assert [s["tokens"] for s in shards] == [128] * 7 + [104]
+    write_manifest(tmp_path, {"tokenizer": {"name": "t", "spec": "t"}, "vocab_size": vocab,
+                              "dtype": dtype.name, "tokens": 1000, "shards": shards})
+    back = TokenShards(tmp_path, verify=True)
+    assert back.dtype == (np.uint16 if vocab < 1 << 16 else np.uint32) and len(back) == 1000
+    assert np.concatenate([back.shard(i) for i in range(8)]).tolist() == tokens.tolist()
+    assert back.read(3, 5, 100).tolist() == tokens[3 * 128 + 5:3 * 128 + 105].tolist()
+    back.close()
+    if vocab <= 256 or vocab >= 1 << 16:
+        return
+    small = tokens % 256
+    meta = write_byte_file(small, tmp_path / "b.bin", "test")
+    assert meta["tokens"] == 1000 and read_byte_file(tmp_path / "b.bin").tolist() == small.tolist()
+    (tmp_path / "c.bin").write_bytes(np.asarray(tokens, np.uint16).tobytes())
+    i = int(np.argmax(tokens >= 256))
+    with pytest.raises(DataError, match=f"holds {tokens[i]} at token {i}, not a byte token"):
+        read_byte_file(tmp_path / "c.bin")

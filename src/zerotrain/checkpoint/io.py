@@ -30,7 +30,13 @@ from safetensors.torch import save_file
 from zerotrain.comm.dist import barrier, patient_barrier
 
 FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)  # 1: before checksums and flat optimizer tensors
+#: Formats no zerotrain writes any more, with how to get on from one. Format 1 (before
+#: 2026-11-30, commit 58939c5: no checksums, master weights under other names, optimizer
+#: tensors in their parameter's shape) is read by no code here.
+RETIRED_FORMATS = {1: "export its weights with a zerotrain from before 2026-11-30 "
+                      "(`zerotrain export {ckpt} --out weights.safetensors`) and start from "
+                      "them with --model.init_from weights.safetensors (the optimizer state "
+                      "starts afresh)"}
 
 
 class CheckpointError(ValueError):
@@ -66,15 +72,24 @@ def resolve(path: str | Path) -> Path:
     raise CheckpointError(f"checkpoint '{p}' does not exist")
 
 
+def latest_name(root: Path) -> str | None:
+    """The step folder name in `root/latest`, or None when there is no such file or it
+    names no step folder (not UTF-8, empty, a path, a NUL)."""
+    try:
+        name = (root / "latest").read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        return None
+    return name
+
+
 def read_latest(root: Path) -> str:
     """The step folder name in `root/latest`; a damaged file (not UTF-8, a path, a NUL)
     is one CheckpointError naming the checkpoints that remain."""
-    raw = (root / "latest").read_bytes()
-    try:
-        name = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        name = None
-    if not name or "/" in name or "\0" in name or name in (".", ".."):
+    name = latest_name(root)
+    if name is None:
+        raw = (root / "latest").read_bytes()
         done = [c.name for c in complete_checkpoints(root)]
         have = (f"complete checkpoints: {', '.join(done[-3:])}; resume one with --resume "
                 f"{root / done[-1]}" if done else "no complete checkpoint is left")
@@ -109,11 +124,15 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
     meta = read_json(ckpt / "meta.json")
-    if meta.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"'{ckpt}' has checkpoint format {meta.get('format')}, this "
-                              f"zerotrain reads formats {READABLE_FORMATS}")
-    missing = [k for k in ("layout", "global_step", "micro_step", "scaler", "world_size")
-               if k not in meta]
+    fmt = meta.get("format")
+    if fmt in RETIRED_FORMATS:
+        raise CheckpointError(f"'{ckpt}' has checkpoint format {fmt}, which this zerotrain "
+                              f"no longer reads; {RETIRED_FORMATS[fmt].format(ckpt=ckpt)}")
+    if fmt != FORMAT_VERSION:
+        raise CheckpointError(f"'{ckpt}' has checkpoint format {fmt}, this zerotrain reads "
+                              f"format {FORMAT_VERSION}")
+    missing = [k for k in ("layout", "global_step", "micro_step", "scaler", "world_size",
+                           "checksums") if k not in meta]
     if missing:
         raise CheckpointError(f"'{ckpt / 'meta.json'}' is damaged: it lacks {', '.join(missing)}")
     return meta
@@ -132,10 +151,8 @@ def sha256(path: Path) -> str:
 
 
 def verify(ckpt: Path, meta: dict[str, Any], files: list[Path]) -> None:
-    """Compare files against the manifest's checksums (format 2 and later)."""
-    sums = meta.get("checksums")
-    if sums is None:
-        return
+    """Compare files against the manifest's checksums."""
+    sums = meta["checksums"]
     for f in files:
         if not f.is_file():
             raise CheckpointError(f"'{f}' is missing: the checkpoint is incomplete")
@@ -216,8 +233,7 @@ def prune(root: Path, keep: int, run_id: str | None = None) -> None:
     """Keep this run's `keep` most recent checkpoints; never touch another run's."""
     mine = [p for p in complete_checkpoints(root)
             if run_id is None or read_json(p / "meta.json").get("run_id") == run_id]
-    latest = (root / "latest").read_bytes().decode("utf-8", "replace").strip() \
-        if (root / "latest").is_file() else None
+    latest = latest_name(root)
     for p in mine[:-keep]:
         if p.name != latest:
             shutil.rmtree(p, ignore_errors=True)

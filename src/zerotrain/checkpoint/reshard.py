@@ -66,8 +66,7 @@ class SavedShards:
         units = self.meta["layout"]["units"]
         f = self._open(r)
         for ui, (lo, hi) in enumerate(rmeta["opt_ranges"]):
-            key = f"strategy.master.{ui}" if self.meta["format"] >= 2 else f"master.{ui}"
-            self.pieces[("master", ui)].append((lo, hi, r, key))
+            self.pieces[("master", ui)].append((lo, hi, r, f"strategy.master.{ui}"))
         for key in list(f.keys()):  # a safetensors handle, not a dict
             if key.startswith("optim."):
                 _, idx, name = key.split(".", 2)
@@ -91,7 +90,7 @@ class SavedShards:
         sl = f.get_slice(key)
         if len(sl.get_shape()) == 1:
             out = sl[x:y]
-        else:  # format 1 kept optimizer tensors in their parameter's shape
+        else:  # a tensor saved whole rather than flat (a 0-d state): cut it here
             out = f.get_tensor(key).reshape(-1)[x:y]
         self.bytes_read += out.numel() * out.element_size()
         return out

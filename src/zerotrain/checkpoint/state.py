@@ -182,8 +182,7 @@ def _read_rank(ckpt: Path, meta: dict, rank: int) -> tuple[dict[str, Tensor], di
 
 
 def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dict[str, Any]:
-    v1 = not any(k.startswith("strategy.") for k in tensors)
-    strategy = {k: tensors[f"{k}" if v1 else f"strategy.{k}"] for k in template["strategy"]}
+    strategy = {k: tensors[f"strategy.{k}"] for k in template["strategy"]}
     state: dict[int, dict[str, Any]] = {}
     for key, v in tensors.items():
         if key.startswith("optim."):

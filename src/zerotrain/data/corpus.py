@@ -1,4 +1,4 @@
-"""Where tokens come from: the embedded corpus, user text, or a prepared .bin.
+"""Where byte tokens come from: the embedded corpus, user text, or a prepared .bin.
 
 Tokens are bytes (vocab 256): no tokenizer to download, every machine can train. The
 embedded default corpus is the running interpreter's own standard-library `.py`
@@ -7,7 +7,6 @@ sources — real text that is present wherever Python is.
 
 from __future__ import annotations
 
-import json
 import sysconfig
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from zerotrain.data.errors import DataError
 from zerotrain.data.sources import inventory
+from zerotrain.data.token_shards import is_byte_file, read_byte_file, write_byte_file
 
 __all__ = ["DataError", "decode", "encode", "load_tokens", "prepare", "stdlib_sources",
            "train_val_split"]
@@ -69,51 +69,17 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
         # text files only: no dot-directories (.git), binaries (images) or .json/.bin outputs
         files = [f for kind, f in inventory([p]).files if kind != "parquet"]
         return _read_texts(files, f"folder '{p}'")
-    if p.suffix == ".bin":
-        return _byte_token_file(p)
+    if is_byte_file(p):
+        return read_byte_file(p)
     return _read_texts([p], f"file '{p}'")
 
 
-def _byte_token_file(p: Path) -> np.ndarray:
-    """A `.bin` of uint16 byte tokens (from `prepare`), memory-mapped. Any other file
-    named .bin (raw text, another tool's tokens) is refused before training: its values
-    are checked against the 256 byte tokens unless prepare's sidecar vouches for it."""
-    size = p.stat().st_size
-    fix = (f"a .bin must be uint16 byte tokens from `zerotrain prepare SRC --out {p.name}`; "
-           "for a text file give it a text suffix (e.g. .txt), for another tokenizer's tokens "
-           "prepare a shard folder")
-    if size < 4 or size % 2:
-        raise DataError(f"'{p}' is not a uint16 token file (size {size} bytes); {fix}")
-    tokens = np.memmap(p, dtype=np.uint16, mode="r")
-    try:
-        meta = json.loads(p.with_suffix(".json").read_text())
-        vouched = meta.get("tokens") == len(tokens) and meta.get("vocab_size") == VOCAB_SIZE
-    except (OSError, ValueError, AttributeError):
-        vouched = False
-    if not vouched:
-        for start in range(0, len(tokens), 1 << 24):  # a pass in 32 MiB pieces
-            part = np.asarray(tokens[start:start + (1 << 24)])
-            if part.max() >= VOCAB_SIZE:
-                i = start + int(np.argmax(part >= VOCAB_SIZE))
-                raise DataError(f"'{p}' holds {int(tokens[i])} at token {i}, not a byte "
-                                f"token (0-255); {fix}")
-    return tokens
-
-
 def prepare(src: str | Path | None, out: str | Path) -> dict:
-    """Tokenise once into a uint16 memmap (`.bin`) plus a JSON sidecar describing it."""
+    """Tokenise once into the legacy byte-token file (`.bin`, see `token_shards`)."""
     out = Path(out)
     if out.suffix != ".bin":
         raise DataError(f"output '{out}' must end in .bin")
-    tokens = load_tokens(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".bin.tmp")
-    np.asarray(tokens, dtype=np.uint16).tofile(tmp)
-    tmp.replace(out)
-    meta = {"tokens": len(tokens), "vocab_size": VOCAB_SIZE, "dtype": "uint16",
-            "source": str(src) if src else "stdlib"}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
-    return meta
+    return write_byte_file(load_tokens(src), out, str(src) if src else "stdlib")
 
 
 def train_val_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

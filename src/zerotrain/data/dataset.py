@@ -23,9 +23,16 @@ from pathlib import Path
 import numpy as np
 
 from zerotrain.data.corpus import DataError, load_tokens, stdlib_sources, train_val_split
-from zerotrain.data.shards import MANIFEST, prepare, token_dtype, tokenize_items
+from zerotrain.data.shards import prepare, tokenize_items
 from zerotrain.data.sources import inventory, iter_texts, plan_items
-from zerotrain.data.token_shards import ShardSplit, TokenShards, is_shard_folder
+from zerotrain.data.token_shards import (
+    ShardSplit,
+    TokenShards,
+    is_byte_file,
+    is_shard_folder,
+    read_manifest,
+    token_dtype,
+)
 from zerotrain.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -116,10 +123,10 @@ def clear_caches(cache_dir: str | Path, data_path: str | Path | None, spec: str)
             f.unlink(missing_ok=True)
         gone.append(tok_file)
     shards = d / SHARDS_DIR
-    if (shards / MANIFEST).is_file() and not used(shards, data_path):
+    if is_shard_folder(shards) and not used(shards, data_path):
         try:
-            made_here = "cache_key" in json.loads((shards / MANIFEST).read_text())
-        except (OSError, ValueError):
+            made_here = "cache_key" in read_manifest(shards)
+        except (OSError, DataError):
             made_here = False
         if made_here:
             shutil.rmtree(shards, ignore_errors=True)
@@ -145,7 +152,7 @@ def load_splits(path: str | Path | None, tok: Tokenizer, val_fraction: float,
     """(train, validation) token sources for `WindowSampler` / `eval_batches`."""
     if path is not None and is_shard_folder(path):
         return TokenShards(path, tok).split(val_fraction)
-    legacy_bin = path is not None and Path(path).suffix == ".bin"
+    legacy_bin = is_byte_file(path)
     if isinstance(tok, ByteTokenizer) and (path is None or legacy_bin):
         return train_val_split(load_tokens(path), val_fraction)
     if legacy_bin:
@@ -162,7 +169,7 @@ def needs_shards(path: str | Path | None, tok: Tokenizer) -> bool:
     everything but bytes of the embedded corpus or a `.bin`, and shards already made."""
     if path is not None and is_shard_folder(path):
         return False
-    legacy = path is None or Path(path).suffix == ".bin"
+    legacy = path is None or is_byte_file(path)
     return not (isinstance(tok, ByteTokenizer) and legacy)
 
 
@@ -178,7 +185,7 @@ def cached_shards(path: str | Path | None, tok: Tokenizer, cache_dir: str | Path
     sources = _sources(path)
     inputs = [str(s) for s in sources]
     key = source_key(sources)
-    if (out / MANIFEST).is_file():
+    if is_shard_folder(out):
         try:
             shards = TokenShards(out, tok)
             if shards.manifest.get("cache_key") == key:
@@ -197,15 +204,13 @@ def cached_shards(path: str | Path | None, tok: Tokenizer, cache_dir: str | Path
 def describe(path: str | Path | None, tok: Tokenizer) -> str:
     """One line on what training reads: files and bytes in, tokens out."""
     if path is not None and is_shard_folder(path):
-        import json
-
-        m = json.loads((Path(path) / MANIFEST).read_text())
+        m = read_manifest(path)
         files = sum(m["sources"]["files"].values())
         skipped = m["sources"].get("skipped", 0)
         return (f"{files:,} files ({skipped} skipped), {m['text_bytes']:,} bytes of text -> "
                 f"{m['tokens']:,} tokens of {tok.name} in {len(m['shards'])} shard(s) at "
                 f"'{path}'")
-    if path is not None and Path(path).suffix == ".bin":
+    if is_byte_file(path):
         size = Path(path).stat().st_size
         return f"'{path}': {size // 2:,} byte tokens"
     files = [f for _, f in inventory(_sources(path)).files]

@@ -1,23 +1,17 @@
-"""Token shards: a corpus tokenized once, in bounded memory, read back without loading it.
+"""Token shards: a corpus tokenized once, in bounded memory (the format itself, and its
+reader, are `token_shards.py`'s).
 
 `prepare` streams inputs (see `sources.py`) through a pool of tokenizing processes, in
-items of about a MiB, and writes the tokens in input order into fixed-size shards
-(uint16 when the vocabulary fits, else uint32), documents separated by the tokenizer's
-end-of-text token (the byte tokenizer has none: a blank line). At most `2 × workers`
-items are in flight, so memory does not depend on the corpus. Everything is written
-into `<out>.tmp` and renamed at the end, with a `manifest.json`: tokenizer, vocabulary,
-dtype, per-shard token counts and SHA-256, and a summary of the sources.
-
-`TokenShards` opens such a folder, validates it against its manifest (and, on request,
-the checksums), and reads windows with `os.pread`: bytes go through the page cache but
-are never mapped into the process, so a long run that touches the whole corpus keeps a
-flat RSS (`shard(i)` gives a read-only memmap when an array view is wanted).
+items of about a MiB, and writes the tokens in input order through `ShardWriter`,
+documents separated by the tokenizer's end-of-text token (the byte tokenizer has none: a
+blank line). At most `2 × workers` items are in flight, so memory does not depend on the
+corpus. Everything is written into `<out>.tmp` and renamed at the end, with a manifest:
+tokenizer, vocabulary, dtype, per-shard token counts and SHA-256, and a summary of the
+sources.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -30,15 +24,10 @@ import numpy as np
 
 from zerotrain.data.errors import DataError
 from zerotrain.data.sources import Item, inventory, plan_items, read_item, split_text
+from zerotrain.data.token_shards import ShardWriter, token_dtype, write_manifest
 from zerotrain.data.tokenizer import Tokenizer, load_tokenizer
 
-MANIFEST = "manifest.json"
-FORMAT = "zerotrain-shards"
 BYTE_SEPARATOR = b"\n\n"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def separator(tok: Tokenizer) -> list[int]:
@@ -108,45 +97,7 @@ def tokenize_items(items: Sequence[Item], tok: Tokenizer, text_field: str, worke
             yield pending.popleft().get()
 
 
-# ----------------------------------------------------------------------------- writing
-
-
-class ShardWriter:
-    """Appends tokens to fixed-size shard files, hashing them on the way."""
-
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
-        self.folder, self.dtype, self.cap = folder, dtype, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self._file = None
-        self._count = 0
-        self._hash = hashlib.sha256()
-
-    def add(self, tokens: np.ndarray) -> None:
-        while len(tokens):
-            if self._file is None:
-                name = f"shard_{len(self.shards):05d}.bin"
-                self._file = open(self.folder / name, "wb")  # noqa: SIM115 (closed in _finish)
-                self._name, self._count, self._hash = name, 0, hashlib.sha256()
-            take = tokens[:self.cap - self._count]
-            data = np.ascontiguousarray(take, dtype=self.dtype).tobytes()
-            self._file.write(data)
-            self._hash.update(data)
-            self._count += len(take)
-            tokens = tokens[len(take):]
-            if self._count == self.cap:
-                self._finish()
-
-    def _finish(self) -> None:
-        assert self._file is not None
-        self._file.close()
-        self.shards.append({"file": self._name, "tokens": self._count,
-                            "sha256": self._hash.hexdigest()})
-        self._file = None
-
-    def close(self) -> list[dict[str, Any]]:
-        if self._file is not None:
-            self._finish()
-        return self.shards
+# ----------------------------------------------------------------------------- preparing
 
 
 def prepare(sources: Sequence[str | Path], tokenizer: str | Tokenizer, out_dir: str | Path, *,
@@ -184,12 +135,11 @@ def prepare(sources: Sequence[str | Path], tokenizer: str | Tokenizer, out_dir: 
         raise DataError(f"data.path {names} holds no text ({len(inv.files)} file(s), all "
                         "empty or without text); give non-empty text files, folders, .jsonl "
                         "or .parquet")
-    manifest = {"format": FORMAT, "version": 1, "tokenizer": tok.describe(),
-                "vocab_size": tok.vocab_size, "dtype": dtype.name, "separator": separator(tok),
-                "tokens": sum(s["tokens"] for s in shards), "documents": docs,
-                "text_bytes": text_bytes, "shards": shards,
-                "sources": inv.summary([str(s) for s in sources]), **(extra or {})}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    manifest = write_manifest(tmp, {
+        "tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "dtype": dtype.name,
+        "separator": separator(tok), "tokens": sum(s["tokens"] for s in shards),
+        "documents": docs, "text_bytes": text_bytes, "shards": shards,
+        "sources": inv.summary([str(s) for s in sources]), **(extra or {})})
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -1,4 +1,24 @@
-"""Reading token shards written by `shards.prepare` (see that module for the layout)."""
+"""The on-disk token formats, written and read here and nowhere else.
+
+A token-shard folder (what `shards.prepare` / `zerotrain prepare SRC --out DIR` makes):
+
+    manifest.json        {"format": "zerotrain-shards", "version": 1, "tokenizer",
+                          "vocab_size", "dtype", "separator", "tokens", "shards":
+                          [{"file", "tokens", "sha256"}, ...], ...what the writer adds}
+    shard_00000.bin ...  the tokens, raw, in `dtype` (uint16 when the vocabulary fits
+                         in 2^16, else uint32), in order; no header
+
+`ShardWriter` appends tokens into fixed-size shards, hashing them; `write_manifest`
+finishes a folder. `TokenShards` opens one, validates it against its manifest (and, on
+request, the checksums), and reads windows with `os.pread`: bytes go through the page
+cache but are never mapped into the process, so a long run that touches the whole
+corpus keeps a flat RSS (`shard(i)` gives a read-only memmap when an array view is
+wanted). Every problem is one `DataError` naming the shard or field and the fix.
+
+The legacy byte file (`zerotrain prepare SRC --out FILE.bin`, byte tokenizer only): one
+uint16 file of byte tokens (0-255) and a `FILE.json` sidecar; `write_byte_file` /
+`read_byte_file` are the only code that knows it.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +31,89 @@ from typing import Any
 import numpy as np
 
 from zerotrain.data.errors import DataError
-from zerotrain.data.shards import FORMAT, MANIFEST
 from zerotrain.data.tokenizer import Tokenizer
 from zerotrain.data.windows import SegmentWindows, SplitWindows, split_windows
 
+MANIFEST = "manifest.json"
+FORMAT = "zerotrain-shards"
+VERSION = 1
+BYTE_VOCAB = 256  # the legacy .bin holds byte tokens only
 _MAX_OPEN = 64  # shard file descriptors kept open at once
 
 
 def is_shard_folder(path: str | Path) -> bool:
     return (Path(path).expanduser() / MANIFEST).is_file()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class ShardWriter:
+    """Appends tokens to fixed-size shard files, hashing them on the way."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.dtype, self.cap = folder, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._file = None
+        self._count = 0
+        self._hash = hashlib.sha256()
+
+    def add(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._file is None:
+                name = f"shard_{len(self.shards):05d}.bin"
+                self._file = open(self.folder / name, "wb")  # noqa: SIM115 (closed in _finish)
+                self._name, self._count, self._hash = name, 0, hashlib.sha256()
+            take = tokens[:self.cap - self._count]
+            data = np.ascontiguousarray(take, dtype=self.dtype).tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += len(take)
+            tokens = tokens[len(take):]
+            if self._count == self.cap:
+                self._finish()
+
+    def _finish(self) -> None:
+        assert self._file is not None
+        self._file.close()
+        self.shards.append({"file": self._name, "tokens": self._count,
+                            "sha256": self._hash.hexdigest()})
+        self._file = None
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._file is not None:
+            self._finish()
+        return self.shards
+
+
+def write_manifest(folder: Path, fields: dict[str, Any]) -> dict[str, Any]:
+    """Finish a folder `ShardWriter` filled: its manifest, the format's own keys first."""
+    manifest = {"format": FORMAT, "version": VERSION, **fields}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """The manifest of a shard folder; one DataError when there is none or it is damaged."""
+    folder = Path(folder).expanduser()
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise DataError(f"'{folder}' is not a token-shard folder (no {MANIFEST}); "
+                        "create one with `zerotrain prepare SRC --out DIR`")
+    try:
+        m = json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(f"'{path}' is not valid JSON ({e}); prepare the folder again") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise DataError(f"'{path}' is not a zerotrain shard manifest")
+    return m
+
+
+# ----------------------------------------------------------------------------- reading
 
 
 class TokenShards:
@@ -34,7 +128,7 @@ class TokenShards:
                  verify: bool = False):
         self._fds: dict[int, int] = {}
         self.folder = Path(folder).expanduser()
-        self.manifest = self._read_manifest()
+        self.manifest = read_manifest(self.folder)
         self.dtype = np.dtype(self.manifest["dtype"])
         self.lengths = [int(s["tokens"]) for s in self.manifest["shards"]]
         self.paths = [self.folder / s["file"] for s in self.manifest["shards"]]
@@ -49,19 +143,6 @@ class TokenShards:
             self.verify()
         if tokenizer is not None:
             self.check_tokenizer(tokenizer)
-
-    def _read_manifest(self) -> dict[str, Any]:
-        path = self.folder / MANIFEST
-        if not path.is_file():
-            raise DataError(f"'{self.folder}' is not a token-shard folder (no {MANIFEST}); "
-                            "create one with `zerotrain prepare SRC --out DIR`")
-        try:
-            m = json.loads(path.read_text())
-        except ValueError as e:
-            raise DataError(f"'{path}' is not valid JSON ({e}); prepare the folder again") from None
-        if m.get("format") != FORMAT:
-            raise DataError(f"'{path}' is not a zerotrain shard manifest")
-        return m
 
     def verify(self) -> None:
         """Hash every shard against the manifest (reads the whole corpus once)."""
@@ -132,3 +213,50 @@ class ShardSplit:
     def windows(self, seq_len: int) -> SplitWindows:
         parts = split_windows(self.shards.windows(seq_len), self.val_fraction, seq_len)
         return parts[1] if self.val else parts[0]
+
+
+# ----------------------------------------------------------------------------- legacy .bin
+
+
+def is_byte_file(path: str | Path | None) -> bool:
+    """Whether data.path names a legacy byte-token file (`prepare --out FILE.bin`)."""
+    return path is not None and Path(path).suffix == ".bin"
+
+
+def write_byte_file(tokens: np.ndarray, out: Path, source: str) -> dict[str, Any]:
+    """`tokens` (byte tokens) as `out` (uint16, written whole, then renamed into place)
+    and its `.json` sidecar; returns the sidecar."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".bin.tmp")
+    np.asarray(tokens, dtype=np.uint16).tofile(tmp)
+    tmp.replace(out)
+    meta = {"tokens": len(tokens), "vocab_size": BYTE_VOCAB, "dtype": "uint16",
+            "source": source}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def read_byte_file(p: Path) -> np.ndarray:
+    """A `.bin` of uint16 byte tokens, memory-mapped. Any other file named .bin (raw
+    text, another tool's tokens) is refused before training: its values are checked
+    against the 256 byte tokens unless the sidecar vouches for it."""
+    size = p.stat().st_size
+    fix = (f"a .bin must be uint16 byte tokens from `zerotrain prepare SRC --out {p.name}`; "
+           "for a text file give it a text suffix (e.g. .txt), for another tokenizer's tokens "
+           "prepare a shard folder")
+    if size < 4 or size % 2:
+        raise DataError(f"'{p}' is not a uint16 token file (size {size} bytes); {fix}")
+    tokens = np.memmap(p, dtype=np.uint16, mode="r")
+    try:
+        meta = json.loads(p.with_suffix(".json").read_text())
+        vouched = meta.get("tokens") == len(tokens) and meta.get("vocab_size") == BYTE_VOCAB
+    except (OSError, ValueError, AttributeError):
+        vouched = False
+    if not vouched:
+        for start in range(0, len(tokens), 1 << 24):  # a pass in 32 MiB pieces
+            part = np.asarray(tokens[start:start + (1 << 24)])
+            if part.max() >= BYTE_VOCAB:
+                i = start + int(np.argmax(part >= BYTE_VOCAB))
+                raise DataError(f"'{p}' holds {int(tokens[i])} at token {i}, not a byte "
+                                f"token (0-255); {fix}")
+    return tokens

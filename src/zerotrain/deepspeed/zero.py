@@ -11,9 +11,11 @@ the same distributions as an eager build, other draws. Load real weights inside
 the engine's model is whole on every rank (ZeRO-3 gathers; a collective, so every rank
 enters it). With `modifier_rank`, that rank's values of `params` are broadcast on exit
 and become the master weights every rank keeps (re-sharded); without it, edits are
-discarded as in DeepSpeed where weights are partitioned. (DeepSpeed itself does not
-copy such edits into its fp32 master copy after `initialize`: its first step undoes
-them. zerotrain keeps them.)
+discarded as in DeepSpeed where weights are partitioned. (DeepSpeed 0.19.8 itself,
+after `initialize`: at ZeRO-1-3 its first step writes its fp32 masters, copied before
+the edit, back over it; below ZeRO-3 nothing is broadcast, so only the modifier rank
+sees the edit (at ZeRO-0 for the whole run: the ranks' weights part). zerotrain keeps
+the edit on every rank: bench/ds_compat.py, case `gathered`.)
 
 Before `initialize`, on a model built under `Init` (DeepSpeed's usual way to load
 pretrained weights), the parameters are real tensors inside the block (zeros: nothing

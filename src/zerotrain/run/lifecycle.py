@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from zerotrain.checkpoint import CheckpointError
+from zerotrain.checkpoint.io import latest_name
 from zerotrain.comm.launch import EXIT_INTERRUPTED
 from zerotrain.config import FaultConfig  # EX_TEMPFAIL: try again later
 
@@ -183,11 +184,9 @@ def disk_full_error(e: BaseException, root: Path, step: int, wanted: int) -> Che
         free = f"{shutil.disk_usage(root).free:,} bytes free"
     except OSError:
         free = "free space unknown"
-    latest = root / "latest"
-    try:
-        kept = f"the last complete checkpoint, {latest.read_text().strip()}, is intact"
-    except OSError:
-        kept = "no earlier checkpoint exists"
+    name = latest_name(root)
+    kept = (f"the last complete checkpoint, {name}, is intact" if name
+            else "no earlier checkpoint exists")
     what = "disk quota exceeded" if "quota" in str(e).lower() else "no space left on device"
     return CheckpointError(
         f"{what} while saving the step-{step} checkpoint in '{root}' (this rank writes "
