@@ -111,3 +111,42 @@ def test_zero3_prefetches_the_unit_the_first_forward_ran_next(monkeypatch):
     ref_losses, ref_masters, _ = _train_shuffled(False, monkeypatch)
     assert losses == ref_losses and len(set(losses)) == 3
     assert all(torch.equal(a, b) for a, b in zip(masters, ref_masters, strict=True))
+
+
+def test_the_wire_states_its_own_bytes_and_the_estimate_counts_them():
+    """`RunShape.gather_bytes` comes from the wire the engine uses: a one-rank ZeRO-3
+    engine's FP8 wires pack exactly the bytes `zero.run_shape` predicts for each gathered
+    unit, and the estimated parameter all-gathers shrink by that ratio."""
+    from zerotrain.engine import Engine
+    from zerotrain.memory import shape_traffic
+    from zerotrain.zero import run_shape
+
+    shapes = {}
+    for fp8 in (False, True):
+        cfg = build_config({"model": MODEL, "zero": {"stage": 3}, "precision": {
+            "dtype": "bf16", "fp8": {"enabled": True, "all_gather": fp8}}})
+        model = build_model(cfg.model, device="meta")
+        shapes[fp8] = (cfg, run_shape(strategy_class(cfg.zero), cfg, model, plan_for(model),
+                                      "cpu", 1))
+    cfg, shape = shapes[True]
+    eng = Engine(build_model(cfg.model), cfg, torch.device("cpu"))
+    try:
+        live = [u.wire.chunk_bytes if u.wire is not None else u.numel * 2
+                for u in eng.strategy.units]
+    finally:
+        eng.close()
+    assert sum(u.wire is not None for u in eng.strategy.units) >= 2
+    # one rank: its chunk is the whole unit, so the live packing is the unit's wire bytes
+    assert list(shape.gather_bytes) == live
+    plain = shapes[False][1]
+    assert plain.gather_bytes == ()
+    sent = {s: {c.what: c.sent_bytes for c in shape_traffic(s, algorithm="ring").collectives}
+            for s in (plain, shape)}
+    assert sent[plain]["params (fwd)"] == 0 == sent[shape]["params (fwd)"]  # one rank sends nothing
+    two = [run_shape(strategy_class(c.zero), c, build_model(c.model, device="meta"),
+                     plan_for(build_model(c.model, device="meta")), "cpu", 2)
+           for c, _ in (shapes[False], shapes[True])]
+    fwd = [next(c.sent_bytes for c in shape_traffic(s).collectives if c.what == "params (fwd)")
+           for s in two]
+    fp8_bytes, plain_bytes = sum(shape.gather_bytes), sum(n * 2 for n in shape.buffer_numels)
+    assert fwd[1] < fwd[0] and abs(fwd[1] / fwd[0] - fp8_bytes / plain_bytes) < 0.01

@@ -4,7 +4,7 @@ time they take."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zerotrain.memory.shape import RunShape
 from zerotrain.memory.states import BytesPerParam, shard_numel
@@ -73,26 +73,38 @@ class Traffic:
 
 def collective_traffic(numels: Sequence[int], world: int, shards: frozenset[str], *,
                        param_bytes: int, grad_bytes: int, algorithm: str = "ring",
-                       muon_matrix_numel: int = 0, update_bytes: int = 4
-                       ) -> list[CollectiveCost]:
+                       muon_matrix_numel: int = 0, update_bytes: int = 4,
+                       gather_bytes: Sequence[int] = ()) -> list[CollectiveCost]:
     """SPEC §6 traffic column, from what a strategy shards (`shards`, of memory.FIELDS):
     nothing sharded (DDP) all-reduces the gradients, 2Ψ; sharding anything reduce-scatters
     them and all-gathers the parameters — once, after the update, when they are
     replicated (ZeRO-1/2: 2Ψ), for every forward and every backward when they are sharded
     (ZeRO-3: 3Ψ); each ×(N−1)/N, in elements. A sharded optimizer running distributed Muon
-    (`muon_matrix_numel`: elements of the matrices owned whole) adds its two all-to-alls."""
+    (`muon_matrix_numel`: elements of the matrices owned whole) adds its two all-to-alls.
+    `gather_bytes`: each unit's bytes as ZeRO-3's parameter wire sends them (an FP8 or int8
+    wire), in place of `param_bytes` per element."""
     n = world
     if not shards:
         return [collective_cost("all_reduce", list(numels), n, grad_bytes,
                                 algorithm=algorithm, what="grads")]
     gathers = ["params (fwd)", "params (bwd)"] if "params" in shards else ["params"]
     colls = [collective_cost("reduce_scatter", list(numels), n, grad_bytes, what="grads")]
-    colls += [collective_cost("all_gather", list(numels), n, param_bytes, what=w)
-              for w in gathers]
+    colls += [_gather_cost(list(numels), n, param_bytes, w,
+                           gather_bytes if "params" in shards else ()) for w in gathers]
     if muon_matrix_numel and "optimizer" in shards:
         colls += muon_mean_traffic(muon_matrix_numel, n, grad_bytes=grad_bytes,
                                    update_bytes=update_bytes)
     return colls
+
+
+def _gather_cost(numels: list[int], world: int, param_bytes: int, what: str,
+                 wire: Sequence[int]) -> CollectiveCost:
+    """An all-gather of the units, each chunk sent as its wire packs it (ceil(bytes/N) a
+    round, like the elements) when the wire is not the plain dtype."""
+    cost = collective_cost("all_gather", numels, world, param_bytes, what=what)
+    if not wire:
+        return cost
+    return replace(cost, sent_bytes=collective_cost("all_gather", list(wire), world, 1).sent_bytes)
 
 
 def shape_traffic(shape: RunShape, *, algorithm: str = "ring", muon_matrix_numel: int = 0,
@@ -104,7 +116,7 @@ def shape_traffic(shape: RunShape, *, algorithm: str = "ring", muon_matrix_numel
     colls = collective_traffic(shape.buffer_numels, shape.world, shape.shards,
                                param_bytes=shape.bpp.params, grad_bytes=shape.bpp.grads,
                                algorithm=algorithm, muon_matrix_numel=muon_matrix_numel,
-                               update_bytes=update_bytes)
+                               update_bytes=update_bytes, gather_bytes=shape.gather_bytes)
     tiers = tier_traffic(shape)
     return Traffic(colls, tiers.device_to_host, tiers.host_to_device)
 

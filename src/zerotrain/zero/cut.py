@@ -30,6 +30,7 @@ from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import resolve_compile, state_bytes_per_param
 from zerotrain.zero.flat import NamedParams, flat_end
+from zerotrain.zero.wire import PlainWire, choose_wire
 
 #: (unit name, its parameters, extra Unit fields)
 UnitSpec = tuple[str, NamedParams, dict]
@@ -118,8 +119,12 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
     policy = PrecisionPolicy.from_config(cfg.precision)
     named = trainable(model, plan)
     align = align_for(device_type, policy)
-    numels = tuple(flat_end(ps, align) for _, ps, _ in cls.cut(model, plan, named, cfg.zero,
-                                                                policy))
+    cut = [ps for _, ps, _ in cls.cut(model, plan, named, cfg.zero, policy)]
+    numels = tuple(flat_end(ps, align) for ps in cut)
+    wire = choose_wire(cls.shards, plan, cfg.zero, fp8_gather=cfg.precision.fp8.all_gather)
+    pb = policy.param_dtype.itemsize
+    gather = (() if type(wire) is PlainWire
+              else tuple(wire.unit_bytes(ps, n, pb) for ps, n in zip(cut, numels, strict=True)))
     sharded = "optimizer" in cls.shards
     own = sum(shard_numel(n, world) for n in numels) if sharded else sum(numels)
     compiled = cfg.optimizer.name in ("adam", "adamw") and resolve_compile(
@@ -135,7 +140,7 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
         numels, world, bpp, cls.shards, cls.offloads | offloads, disk,
         offload_prefetch=cfg.zero.offload_prefetch, micro_steps=cfg.data.grad_accum_steps,
         largest_unit=max(numels),
-        widest_param=widest, reduce_bytes=policy.reduce_dtype.itemsize,
+        widest_param=widest, reduce_bytes=policy.reduce_dtype.itemsize, gather_bytes=gather,
         in_flight=cfg.zero.in_flight(device_type), prefetch=cfg.zero.prefetch,
         high_water=cpu, lazy_grads=cpu,
         init_piece=widest if plan.init is not None else None,

@@ -2,13 +2,14 @@
 
 `PlainWire`: the parameter dtype as it is. `Fp8Gather`: the plan's FP8-linear weights as
 one byte per element (zero/fp8_wire.py), re-packed after every update. `choose_wire` is
-where the config picks one (`zero.build_strategy` only calls it): another wire (int8
-with per-block scales, ZeRO++'s qwZ) is one more class with these two methods and one
-more line there, both in this file.
+where the config picks one (`zero.build_strategy` and `zero.run_shape` only call it):
+another wire (int8 with per-block scales, ZeRO++'s qwZ) is one more class with these
+methods — `element_bytes` is its memory term — and one more line there, all in this file.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,20 @@ from zerotrain.zero.unit import ShardedUnit
 class PlainWire:
     name = "plain"
 
+    def element_bytes(self, name: str, param_bytes: int) -> float:
+        """Bytes parameter `name` sends per element (a fraction where scales ride along):
+        the wire's memory term, read by `zero.run_shape` into `RunShape.gather_bytes`."""
+        return param_bytes
+
+    def unit_bytes(self, named: Sequence[tuple[str, torch.Tensor, int]], numel: int,
+                   param_bytes: int) -> int:
+        """A unit spanning `numel` elements, as this wire sends it: each parameter at its
+        `element_bytes`, alignment padding raw (each rank's chunk padding to the longest
+        rank's, under one element per piece, is not counted)."""
+        params = sum(p.numel() for _, p, _ in named)
+        return math.ceil(sum(p.numel() * self.element_bytes(n, param_bytes)
+                             for n, p, _ in named) + (numel - params) * param_bytes)
+
     def attach(self, units: Sequence[ShardedUnit], itemsize: int) -> None:
         """Give the units that gather through this wire their `u.wire`."""
 
@@ -35,6 +50,9 @@ class PlainWire:
 class Fp8Gather(PlainWire):
     fp8_weights: frozenset[str]  # parameter names of the plan's FP8 linears' weights
     name = "fp8"
+
+    def element_bytes(self, name: str, param_bytes: int) -> float:
+        return 1 if name in self.fp8_weights else param_bytes
 
     def attach(self, units: Sequence[ShardedUnit], itemsize: int) -> None:
         for u in units:
