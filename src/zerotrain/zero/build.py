@@ -63,8 +63,9 @@ class Masters:
 
 def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
                 part: Partition, cfg: ZeroConfig, device: torch.device, init: InitValues,
-                grads: FullGrads) -> list[Unit]:
-    """Every unit of `cls`'s cut, materialised, with gradient storage and a master."""
+                grads: FullGrads, separate_master: bool = False) -> list[Unit]:
+    """Every unit of `cls`'s cut, materialised, with gradient storage and a master
+    (`separate_master`: never the parameters themselves — a tier moves those)."""
     named = trainable(model, plan)
     if not named:
         raise ValueError("the model has no trainable parameters")
@@ -72,7 +73,7 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
     align = align_for(device.type, policy)
     units = [cls.unit_class.build(i, name, ps, part, align, **extra)
              for i, (name, ps, extra) in enumerate(cls.cut(model, plan, named, cfg, policy))]
-    masters = Masters(policy, bool(cls.offloads), grads)
+    masters = Masters(policy, bool(cls.offloads) or separate_master, grads)
     if "params" in cls.shards:
         _sharded(units, policy, device, init, grads, masters, cfg.param_persistence_threshold)
         return units
