@@ -102,8 +102,7 @@ class HostTier(Tier):
     def region(self, key: str, numel: int, dtype: torch.dtype) -> Region:
         r = Region(key, numel, dtype)
         if self.moves:
-            from zerotrain.zero.offload import host_buffer  # the exact-size pinned buffer
-            r.host = host_buffer(numel, dtype, True)
+            r.host = torch.empty(numel, dtype=dtype, pin_memory=True)
             self.pinned.append(r.host)
         return r
 
@@ -133,9 +132,6 @@ class HostTier(Tier):
     def close(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
-        from zerotrain.zero.offload import release_host_buffer
-        for t in self.pinned:
-            release_host_buffer(t)
         self.pinned.clear()
 
 
