@@ -153,8 +153,8 @@ class Streamed(UnitByUnit):
                 p = self.states.get(key)
                 if p is not None and p.t is t:
                     continue
-                if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * \
-                        t.element_size():
+                st = t.untyped_storage()  # a loaded checkpoint's: a view, or not resizable
+                if t.storage_offset() or st.nbytes() != t.nbytes or not st.resizable():
                     t = t.clone()
                     opt.state[view][name] = t
                 if p is None:

@@ -266,7 +266,8 @@ class Placed:
 
     def __init__(self, tier: Tier, key: str, t: Tensor):
         assert t.storage_offset() == 0 and t.is_contiguous(), key
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
+        st = t.untyped_storage()
+        assert st.nbytes() == t.numel() * t.element_size() and st.resizable(), key
         self.tier, self.key, self.t = tier, key, t
         self.region = tier.region(key, t.numel(), t.dtype) if tier.moves else None
         self.resident, self.dirty = True, True
