@@ -215,3 +215,16 @@ def test_full_disk_mid_run_one_error_and_checkpoint_intact(tmp_path, monkeypatch
     for k, v in _params(back).items():
         assert torch.equal(v, saved[k]), k
     back.close()
+
+
+def test_disk_bytes_per_step(tmp_path):
+    """Per step, each shard is read for forward and for backward and written once after
+    the update; masters and Adam's two moments are read (from the second step: the first
+    one creates the moments) and written once. All fp32: P bytes per copy of the model."""
+    eng = _engine(tiers("nvme", "nvme", str(tmp_path)))
+    p = 4 * sum(u.padded_numel for u in eng.strategy.units)
+    _train(eng, 0, 1)
+    assert eng.last_tier_bytes == {"nvme": {"read": 2 * p + p, "written": p + 3 * p}}
+    _train(eng, 1, 1)
+    assert eng.last_tier_bytes == {"nvme": {"read": 2 * p + 3 * p, "written": p + 3 * p}}
+    eng.close()

@@ -68,6 +68,7 @@ class ZeRO3(ZeRO2):
         self.wire.attach(self.units, self.policy.param_dtype.itemsize)
         self.after_publish()  # the wire packs the first gathers' bytes
         self.param_tier.attach(self.units)  # shards to their tier: memory drops here
+        self.tier_bytes()  # the first writes are the build's, not a step's
 
     @classmethod
     def cut(cls, model: nn.Module, plan: Plan, named: NamedParams, cfg: ZeroConfig,
