@@ -19,12 +19,12 @@ from zerotrain.zero.base import Strategy
 from zerotrain.zero.build import build_units, make_grads
 from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
-from zerotrain.zero.infinity import ParamTier, Streamed
+from zerotrain.zero.infinity import ParamTier, Streamed, Tiers
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.muon import MatrixOwners
 from zerotrain.zero.offload import ZeRO2Offload, ZeRO3Offload
 from zerotrain.zero.partition import Partition
-from zerotrain.zero.tier import Tier, make_tier
+from zerotrain.zero.tier import make_tier
 from zerotrain.zero.update import Elementwise, PerParameter, UnitByUnit, Updater
 from zerotrain.zero.wire import Fp8Gather, PlainWire
 from zerotrain.zero.zero1 import ZeRO1
@@ -42,11 +42,11 @@ def strategy_class(cfg: ZeroConfig) -> type[Strategy]:
 
 
 def make_tiers(cfg: ZeroConfig, device: torch.device, rank: int, elementwise: bool
-               ) -> tuple[ParamTier | None, Tier | None]:
+               ) -> Tiers | None:
     """ZeRO-Infinity's parts (zero/infinity.py): where parameter shards live between uses
     and where the optimizer's states are streamed from; one NVMe tier serves both."""
     if cfg.offload_param == "none" and cfg.offload_optimizer != "nvme":
-        return None, None
+        return None
     if cfg.offload_optimizer == "nvme" and not elementwise:
         raise ValueError("zero.offload_optimizer nvme streams elementwise optimizer states "
                          "unit by unit; Muon updates whole matrices: use offload_optimizer "
@@ -59,7 +59,7 @@ def make_tiers(cfg: ZeroConfig, device: torch.device, rank: int, elementwise: bo
     if cfg.offload_param != "none":
         ptier = ParamTier(nvme if cfg.offload_param == "nvme" else make_tier("cpu", device),
                           cfg.offload_prefetch)
-    return ptier, nvme if cfg.offload_optimizer == "nvme" else None
+    return Tiers(ptier, nvme if cfg.offload_optimizer == "nvme" else None)
 
 
 def choose_updater(cls: type[Strategy], elementwise: bool, device: torch.device
@@ -80,19 +80,19 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     units are not initialised); `fp8_gather`: ZeRO-3 gathers the plan's FP8 weights in
     one byte per element."""
     cls = strategy_class(cfg)
-    param_tier, opt_tier = make_tiers(cfg, device, comm.rank, elementwise)
-    tiers = {"param_tier": param_tier, "opt_tier": opt_tier} if cfg.stage == 3 else {}
-    moves = opt_tier is not None or (param_tier is not None and param_tier.moves)
+    tiers = make_tiers(cfg, device, comm.rank, elementwise)  # the config allows them at stage 3
     wire = PlainWire()
     if fp8_gather and "params" in cls.shards:
         wire = Fp8Gather(frozenset(f"{m}.weight" for m in plan.fp8_linears))
     part = Partition.of(comm)
     grads = make_grads(cls, policy, device, cfg.in_flight(device.type))
     units = build_units(cls, model, plan, policy, part, cfg, device,
-                        InitValues(model, plan, skip=pretrained), grads, separate_master=moves)
-    updater = Streamed if opt_tier is not None else choose_updater(cls, elementwise, device)
+                        InitValues(model, plan, skip=pretrained), grads, tiers)
+    streamed = tiers is not None and tiers.opt is not None
+    updater = Streamed if streamed else choose_updater(cls, elementwise, device)
+    extra = {"tiers": tiers} if tiers is not None else {}
     return cls(model, plan, policy, part, cfg, device, units, grads, updater=updater,
-               wire=wire, **tiers)
+               wire=wire, **extra)
 
 
 __all__ = ["DDP", "STRATEGIES", "Partition", "Strategy", "ZeRO1", "ZeRO2", "ZeRO2Offload",

@@ -63,9 +63,9 @@ class Masters:
 
 def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
                 part: Partition, cfg: ZeroConfig, device: torch.device, init: InitValues,
-                grads: FullGrads, separate_master: bool = False) -> list[Unit]:
-    """Every unit of `cls`'s cut, materialised, with gradient storage and a master
-    (`separate_master`: never the parameters themselves — a tier moves those)."""
+                grads: FullGrads, tiers: Any = None) -> list[Unit]:
+    """Every unit of `cls`'s cut, materialised, with gradient storage and a master; with
+    ZeRO-Infinity's `tiers` (zero/infinity.py), each unit goes to its tiers once built."""
     named = trainable(model, plan)
     if not named:
         raise ValueError("the model has no trainable parameters")
@@ -73,9 +73,14 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
     align = align_for(device.type, policy)
     units = [cls.unit_class.build(i, name, ps, part, align, **extra)
              for i, (name, ps, extra) in enumerate(cls.cut(model, plan, named, cfg, policy))]
-    masters = Masters(policy, bool(cls.offloads) or separate_master, grads)
+    moves = tiers is not None and tiers.moves
+    masters = Masters(policy, bool(cls.offloads) or moves, grads)
     if "params" in cls.shards:
-        _sharded(units, policy, device, init, grads, masters, cfg.param_persistence_threshold)
+        if moves:
+            tiers.reserve(units, cfg.param_persistence_threshold, policy.param_dtype.itemsize,
+                          (policy.master_dtype or policy.param_dtype).itemsize)
+        _sharded(units, policy, device, init, grads, masters, cfg.param_persistence_threshold,
+                 tiers.place if moves else None)
         return units
     for u in units:
         u.materialize(policy.param_dtype, device, init.fill)
@@ -86,9 +91,10 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
 
 
 def _sharded(units: Sequence[ShardedUnit], policy: PrecisionPolicy, device: torch.device,
-             init: InitValues, grads: FullGrads, masters: Masters, threshold: int) -> None:
+             init: InitValues, grads: FullGrads, masters: Masters, threshold: int,
+             place: Callable[[ShardedUnit], None] | None = None) -> None:
     """ZeRO-3: each unit keeps this rank's shard; units under `threshold` elements stay
-    gathered (persistent)."""
+    gathered (persistent); `place(unit)` sends a finished unit to its tiers."""
     scratch: Tensor | None = None  # where each parameter is drawn whole (per-name init)
     for u in units:
         lo, hi = u.shard_range
@@ -105,6 +111,8 @@ def _sharded(units: Sequence[ShardedUnit], policy: PrecisionPolicy, device: torc
         grads.allocate(u)
         u.master = masters.master_for(u.shard)
         u.reshard()
+        if place is not None:
+            place(u)
 
 
 def _by_parameter(u: ShardedUnit, init: InitValues) -> bool:

@@ -42,21 +42,20 @@ class ParamTier:
     def __init__(self, tier: Tier, depth: int):
         self.tier, self.depth = tier, depth
         self.placed: dict[int, Placed] = {}
-        self.loads: list[tuple[int, Any]] = []  # (unit index, IOHandle) of this step
+        self.writing: list[Placed] = []  # shards written back, oldest first
+        self.loads: list[tuple[int, Any]] = []  # (unit index, IOHandle) since the last step
 
     @property
     def moves(self) -> bool:
         return self.tier.moves
 
-    def attach(self, units: Sequence[Any]) -> None:
-        """Give every non-persistent unit's shard a home in the tier and send it there."""
-        if not self.tier.moves:
-            return
-        self.tier.require(sum(_padded(u.shard) for u in units if not u.persistent))
-        for u in units:
-            if not u.persistent:
-                self.placed[u.index] = Placed(self.tier, f"unit{u.index}.shard", u.shard)
-        self.evict_all()
+    def place(self, u: Any) -> None:
+        """A unit just built: its shard to the tier (so at most one unit's shard is ever
+        in memory at init)."""
+        if self.tier.moves and not u.persistent:
+            p = self.placed[u.index] = Placed(self.tier, f"unit{u.index}.shard", u.shard)
+            p.evict()
+            p.settle()
 
     def fetch(self, u: Any) -> None:
         p = self.placed.get(u.index) if u is not None else None
@@ -89,23 +88,66 @@ class ParamTier:
             p.dirty = True
 
     def written(self, u: Any) -> None:
-        """The publish wrote the shard: send it back (write behind)."""
+        """The publish wrote the shard: send it back (write behind; a shard's memory is
+        released once `depth` (at least one) newer writes have started)."""
         p = self.placed.get(u.index)
         if p is not None:
             p.evict()
-
-    def evict_all(self) -> None:
-        for p in self.placed.values():
-            p.evict()
-        self.settle_all()
+            self.writing.append(p)
+            while len(self.writing) > max(1, self.depth):
+                self.writing.pop(0).settle()
 
     def settle_all(self) -> None:
-        for p in self.placed.values():
+        for p in self.writing:
+            p.settle()
+        self.writing.clear()
+        self.loads.clear()
+
+
+class Tiers:
+    """ZeRO-Infinity's parts while the units are built (zero/build.py): the disk is
+    reserved once the cut is known, and each unit's shard and master go to their tier as
+    soon as the unit exists, so init never holds more than one unit."""
+
+    def __init__(self, params: ParamTier | None, opt: Tier | None):
+        self.params = params or ParamTier(Tier(), 0)
+        self.opt = opt
+        self.masters: dict[int, Placed] = {}
+
+    @property
+    def moves(self) -> bool:
+        """Whether the units' shards or masters leave memory (then a master is never the
+        shard itself)."""
+        return self.params.moves or self.opt is not None
+
+    def reserve(self, units: Sequence[Any], threshold: int, param_bytes: int,
+                master_bytes: int) -> None:
+        """Refuse, before anything is written, a disk that cannot hold the run's files
+        (bytes per element of a shard and of a master; moments at most STATE_PER_MASTER
+        masters)."""
+        need: dict[int, tuple[Tier, int]] = {}
+
+        def add(tier: Tier, n: int) -> None:
+            need[id(tier)] = (tier, need.get(id(tier), (tier, 0))[1] + n)
+
+        for u in units:
+            if self.params.moves and u.numel >= threshold:
+                add(self.params.tier, _aligned(u.shard_numel * param_bytes))
+            if self.opt is not None:
+                add(self.opt, _aligned(u.shard_numel * master_bytes) * (1 + STATE_PER_MASTER))
+        for tier, n in need.values():
+            tier.require(n)
+
+    def place(self, u: Any) -> None:
+        self.params.place(u)
+        if self.opt is not None:
+            p = self.masters[u.index] = Placed(self.opt, f"unit{u.index}.master", u.master)
+            p.evict()
             p.settle()
 
 
-def _padded(t: Tensor) -> int:
-    return -(-t.numel() * t.element_size() // 4096) * 4096
+def _aligned(n: int) -> int:
+    return -(-n // 4096) * 4096
 
 
 class Streamed(UnitByUnit):
@@ -114,22 +156,22 @@ class Streamed(UnitByUnit):
     def __init__(self, strategy: Any):
         super().__init__(strategy)
         s = strategy
-        self.tier: Tier = s.opt_tier
+        assert s.tiers.opt is not None
+        self.tier: Tier = s.tiers.opt
         self.depth = max(1, s.cfg.offload_prefetch)
-        self.masters: dict[int, Placed] = {}
+        self.masters: dict[int, Placed] = s.tiers.masters  # placed while the units were built
         self.states: dict[tuple[int, int, str], Placed] = {}  # (unit, view #, name)
-        self.tier.require(sum(_padded(u.master) for u in s.units) * (1 + STATE_PER_MASTER))
-        for u in s.units:
-            self.masters[u.index] = Placed(self.tier, f"unit{u.index}.master", u.master)
 
     def views(self) -> Views:
-        """The optimizer's views of the masters, then the masters to their tier (the views
-        stay valid: the storage is refilled in place)."""
+        """The optimizer's views of the masters, which are in their tier: each storage is
+        given its size back for the slicing (allocated, never touched: no memory is used)
+        and released again; the views stay valid, refilled in place by every fetch."""
+        away = [p for p in self.masters.values() if not p.resident]
+        for p in away:
+            p.t.untyped_storage().resize_(p.t.numel() * p.t.element_size())
         out = super().views()
-        for p in self.masters.values():
-            p.evict()
-        for p in self.masters.values():
-            p.settle()
+        for p in away:
+            p.t.untyped_storage().resize_(0)
         return out
 
     def describe(self) -> str | None:

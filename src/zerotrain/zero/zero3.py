@@ -34,7 +34,7 @@ from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams
-from zerotrain.zero.infinity import ParamTier
+from zerotrain.zero.infinity import Tiers
 from zerotrain.zero.tier import Tier
 from zerotrain.zero.unit import ShardedUnit
 from zerotrain.zero.zero2 import ZeRO2
@@ -52,12 +52,11 @@ class ZeRO3(ZeRO2):
     unit_class = ShardedUnit
     units: list[ShardedUnit]
 
-    def __init__(self, *args, param_tier: ParamTier | None = None, opt_tier: Tier | None = None,
-                 **kwargs):
-        """`param_tier`: where shards live between uses (default: here, on the device);
-        `opt_tier`: where the `Streamed` updater keeps masters and moments."""
-        self.param_tier = param_tier or ParamTier(Tier(), 0)
-        self.opt_tier = opt_tier
+    def __init__(self, *args, tiers: Tiers | None = None, **kwargs):
+        """`tiers` (zero/infinity.py): where shards live between uses (default: here, on
+        the device) and where the `Streamed` updater keeps masters and moments."""
+        self.tiers = tiers or Tiers(None, None)
+        self.param_tier = self.tiers.params
         super().__init__(*args, **kwargs)
         self._root = next((u for u in self.units if u.module is self.model), None)
         self._blocks = [u for u in self.units if u is not self._root]  # execution order
@@ -67,7 +66,6 @@ class ZeRO3(ZeRO2):
             u.module.register_forward_hook(partial(self._post_forward, u))
         self.wire.attach(self.units, self.policy.param_dtype.itemsize)
         self.after_publish()  # the wire packs the first gathers' bytes
-        self.param_tier.attach(self.units)  # shards to their tier: memory drops here
         self.tier_bytes()  # the first writes are the build's, not a step's
 
     @classmethod
@@ -168,17 +166,17 @@ class ZeRO3(ZeRO2):
         return sum(u.gathered_bytes() for u in self.units)
 
     # ------------------------------------------------------------ offload tiers
-    def tiers(self) -> list[Tier]:
+    def moving_tiers(self) -> list[Tier]:
         """The tiers that really move bytes (each once: both parts may share one)."""
-        found = [self.param_tier.tier, self.opt_tier]
+        found = [self.param_tier.tier, self.tiers.opt]
         return list({id(t): t for t in found if t is not None and t.moves}.values())
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes each tier read and wrote since the last call (the engine's step)."""
-        return {t.kind: t.counter.take() for t in self.tiers()}
+        return {t.kind: t.counter.take() for t in self.moving_tiers()}
 
     def describe(self) -> list[str]:
-        return super().describe() + [line for t in self.tiers() for line in t.describe()]
+        return super().describe() + [line for t in self.moving_tiers() for line in t.describe()]
 
     # A checkpoint reads and writes masters and moments in memory: bring them back first
     # (the next step sends them to their tier again). The format stays the tiers'-free one.
@@ -202,5 +200,5 @@ class ZeRO3(ZeRO2):
         try:
             super().close()
         finally:
-            for t in self.tiers():
+            for t in self.moving_tiers():
                 t.close()
