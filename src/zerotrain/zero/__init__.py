@@ -19,7 +19,7 @@ from zerotrain.zero.base import Strategy
 from zerotrain.zero.build import build_units, make_grads
 from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
-from zerotrain.zero.infinity import ParamTier, Streamed, Tiers
+from zerotrain.zero.infinity import ParamTier, Streamed, TierGrads, Tiers
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.muon import MatrixOwners
 from zerotrain.zero.offload import ZeRO2Offload, ZeRO3Offload
@@ -86,6 +86,10 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
         wire = Fp8Gather(frozenset(f"{m}.weight" for m in plan.fp8_linears))
     part = Partition.of(comm)
     grads = make_grads(cls, policy, device, cfg.in_flight(device.type))
+    if tiers is not None and tiers.opt is not None and device.type == "cpu":
+        grads = TierGrads(policy.grad_dtype, device, grads.host,
+                          **cls.grads_options(policy, cfg.in_flight(device.type)),
+                          tier=tiers.opt, depth=cfg.offload_prefetch)
     units = build_units(cls, model, plan, policy, part, cfg, device,
                         InitValues(model, plan, skip=pretrained), grads, tiers)
     streamed = tiers is not None and tiers.opt is not None

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zerotrain.optim import foreach
+from zerotrain.zero.grads import ShardedGrads
 from zerotrain.zero.tier import Placed, Tier
 from zerotrain.zero.update import UnitByUnit, Views
 
@@ -80,12 +82,9 @@ class ParamTier:
     def overwrite(self, u: Any) -> None:
         """Memory for a shard about to be written whole (the publish): no read."""
         p = self.placed.get(u.index)
-        if p is not None and not p.resident:
-            p.settle()
-            p.t.untyped_storage().resize_(p.t.numel() * p.t.element_size())
-            p.resident = True
         if p is not None:
-            p.dirty = True
+            p.settle()
+            p.claim()
 
     def written(self, u: Any) -> None:
         """The publish wrote the shard: send it back (write behind; a shard's memory is
@@ -150,6 +149,78 @@ def _aligned(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
+class TierGrads(ShardedGrads):
+    """ZeRO-3's gradient shards in the optimizer's tier (`offload_optimizer: nvme` on a
+    CPU): each reduced shard is written behind the backward and read back with its
+    unit's master and moments for the update, so no gradient stays in memory.
+
+    The first landing of a step writes the shard whole into fresh memory (no read); an
+    accumulating one reads it back and adds. The squared-norm's per-unit fp32 norms are
+    taken as each shard lands (the last micro-step's stay), and the clipping factor is
+    applied when the shard is read for the update: the global norm and the update are
+    those `foreach.sum_of_squares` and `scale_` give on resident shards, bit for bit.
+    """
+
+    gpu = False  # a CPU rank's (on a GPU the shards stay in host memory: HostGrads)
+
+    def __init__(self, *args, tier: Tier, depth: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tier, self.depth = tier, max(1, depth)
+        self.placed: dict[int, Placed] = {}
+        self.norms: dict[int, Tensor] = {}
+        self.factors: list[float] = []  # scale_grads since the backward, applied on read
+        self.writing: list[Placed] = []
+
+    def allocate(self, u: Any) -> None:
+        super().allocate(u)
+        p = self.placed[u.index] = Placed(self.tier, f"unit{u.index}.grad", u.grad)
+        p.drop()
+
+    def landing(self, u: Any):
+        p = self.placed[u.index]
+        if u.grad_dirty:
+            p.ready()  # accumulation: the shard so far
+        else:
+            p.claim()
+        out, done = super().landing(u)
+
+        def finish() -> None:
+            done()
+            self.norms[u.index] = torch._foreach_norm([u.grad], 2, dtype=torch.float32)[0]
+            p.dirty = True
+            p.evict()
+            self.writing.append(p)
+            while len(self.writing) > self.depth:
+                self.writing.pop(0).settle()
+        return out, finish
+
+    def close(self) -> None:
+        """Nothing outside torch's allocators (the tier is closed by the strategy)."""
+
+    def drain(self) -> None:
+        super().drain()
+        for p in self.writing:
+            p.settle()
+        self.writing.clear()
+
+    def norm_sq(self, units: Sequence[Any], device: torch.device) -> Tensor:
+        """Σ‖shard‖² as `foreach.sum_of_squares` over the units' shards gives it."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        return total + torch.stack([self.norms[u.index] for u in units]).double().square().sum()
+
+    def scale(self, factor: float) -> None:
+        self.factors.append(factor)
+
+    def apply_scale(self, u: Any) -> None:
+        for f in self.factors:
+            foreach.scale_([u.grad], f)
+
+    def clear(self, units: list[Any]) -> None:
+        super().clear(units)
+        self.norms.clear()
+        self.factors.clear()
+
+
 class Streamed(UnitByUnit):
     """The optimizer step with masters and moments streamed from a tier, unit by unit."""
 
@@ -183,6 +254,10 @@ class Streamed(UnitByUnit):
         return [self.masters[u.index]] + [p for (i, _, _), p in self.states.items()
                                           if i == u.index]
 
+    def _grad(self, u: Any) -> Placed | None:
+        g = self.s.grads
+        return g.placed.get(u.index) if isinstance(g, TierGrads) else None
+
     def _bind_states(self, u: Any, views: Views) -> None:
         """Track the optimizer's tensors of `u`'s views (made at their first step, or
         replaced by a checkpoint load) as placed tensors that own their storage."""
@@ -204,18 +279,25 @@ class Streamed(UnitByUnit):
                 else:  # same home in the tier, new tensor
                     p.t, p.resident, p.dirty = t, True, True
 
-    def fetch(self, u: Any) -> None:
-        for p in self._placed(u):
+    def fetch(self, u: Any, grad: bool = False) -> None:
+        g = self._grad(u) if grad else None
+        for p in self._placed(u) + ([g] if g is not None else []):
             p.fetch()
 
-    def ready(self, u: Any) -> None:
-        for p in self._placed(u):
+    def ready(self, u: Any, grad: bool = False) -> None:
+        g = self._grad(u) if grad else None
+        for p in self._placed(u) + ([g] if g is not None else []):
             p.ready()
+        if g is not None:
+            self.s.grads.apply_scale(u)
 
     def evict(self, u: Any) -> None:
         for p in self._placed(u):
             p.dirty = True
             p.evict()
+        g = self._grad(u)
+        if g is not None:
+            g.drop()  # used: the next backward's first landing writes it whole
 
     def settle(self, u: Any) -> None:
         self.s.fence_master(u)  # an asynchronous publish (GPU) has read the master
@@ -252,11 +334,11 @@ class Streamed(UnitByUnit):
             if u.index in by_unit:
                 self._bind_states(u, by_unit[u.index])
         for u in order[:self.depth]:
-            self.fetch(u)
+            self.fetch(u, grad=True)
         for k, u in enumerate(order):
             if k + self.depth < len(order):
-                self.fetch(order[k + self.depth])  # read ahead
-            self.ready(u)
+                self.fetch(order[k + self.depth], grad=True)  # read ahead
+            self.ready(u, grad=True)
             if u.index in by_unit:
                 s.attach_grads(by_unit[u.index])
                 optimizer.step()

@@ -339,6 +339,28 @@ class Placed:
             h.wait()
             self._release()
 
+    def claim(self) -> Tensor:
+        """Memory for a tensor about to be written whole: no read (a pending write
+        lands first)."""
+        if self.moves and not self.resident:
+            self.t.untyped_storage().resize_(self.t.numel() * self.t.element_size())
+            self.resident = True
+        self.settle_write()
+        self.dirty = True
+        return self.t
+
+    def drop(self) -> None:
+        """Release without writing: the values are not needed again (a used gradient)."""
+        if self.moves and self.resident:
+            self.ready()
+            self.settle_write()
+            self._release()
+
+    def settle_write(self) -> None:
+        if self.storing is not None:
+            h, self.storing, self._staged = self.storing, None, None
+            h.wait()
+
     def _release(self) -> None:
         self.t.untyped_storage().resize_(0)
         self.resident = False

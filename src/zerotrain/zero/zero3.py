@@ -175,6 +175,22 @@ class ZeRO3(ZeRO2):
         """Bytes each tier read and wrote since the last call (the engine's step)."""
         return {t.kind: t.counter.take() for t in self.moving_tiers()}
 
+    # Gradients in a tier (`TierGrads`): the norm from the norms taken as they landed,
+    # the clipping factor applied when each shard is read back for its update.
+    def grad_norm_sq(self) -> float:
+        norm_sq = getattr(self.grads, "norm_sq", None)
+        if norm_sq is None:
+            return super().grad_norm_sq()
+        local = self.comm.all_reduce_scalars(norm_sq(self.units, self.host).reshape(1))[0]
+        return float(local)
+
+    def scale_grads(self, factor: float) -> None:
+        scale = getattr(self.grads, "scale", None)
+        if scale is None:
+            super().scale_grads(factor)
+        else:
+            scale(factor)
+
     def describe(self) -> list[str]:
         return super().describe() + [line for t in self.moving_tiers() for line in t.describe()]
 
