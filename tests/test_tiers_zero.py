@@ -230,3 +230,20 @@ def test_disk_bytes_per_step(tmp_path):
     assert eng.last_tier_bytes == {"nvme": {"read": 2 * p + p + 3 * p,
                                             "written": p + p + 3 * p}}
     eng.close()
+
+
+def test_prefetch_depth_changes_no_value(tmp_path):
+    """Reads waited for one by one (0) or three units ahead: the same training."""
+    out = []
+    for depth in (0, 3):
+        eng = _engine({**tiers("nvme", "nvme", str(tmp_path)),
+                       "zero": {**tiers("nvme", "nvme", str(tmp_path))["zero"],
+                                "offload_prefetch": depth}})
+        _train(eng, 0, 2)
+        out.append(_params(eng))
+        eng.close()
+    ref = _engine(STAGE3)
+    _train(ref, 0, 2)
+    for k, v in _params(ref).items():
+        assert torch.equal(out[0][k], v) and torch.equal(out[1][k], v), k
+    ref.close()

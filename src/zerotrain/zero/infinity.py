@@ -10,10 +10,11 @@ Two parts, each over a `Tier` (zero/tier.py):
   fresh memory (no read) and written back behind the next units' updates.
 - `Streamed` (`zero.offload_optimizer: nvme`): an updater that steps unit by unit with
   each unit's master weights and optimizer moments in the tier: the units ahead are
-  read while one updates (read-ahead of `offload_prefetch`, at least 1: double
-  buffering), and each updated unit is written back while the next updates (write
-  behind); at most prefetch + 2 units' states are in memory at once. The gradients stay
-  where ZeRO-Offload keeps them.
+  read while one updates (read-ahead of `offload_prefetch` units; 1: double
+  buffering; 0: each read waited for), and each updated unit is written back while the
+  next updates (write behind); at most prefetch + 2 units' states are in memory at once.
+  On a CPU the gradient shards live in the tier too (`TierGrads`); on a GPU they stay
+  in host memory, as with ZeRO-Offload.
 
 Persistent units (under `zero.param_persistence_threshold`) keep their shard: it is a
 view of their gathered buffer. Checkpoints see the same tensors as without a tier
@@ -22,6 +23,7 @@ view of their gathered buffer. Checkpoints see the same tensors as without a tie
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +47,8 @@ class ParamTier:
         self.tier, self.depth = tier, depth
         self.placed: dict[int, Placed] = {}
         self.writing: list[Placed] = []  # shards written back, oldest first
-        self.loads: list[tuple[int, Any]] = []  # (unit index, IOHandle) since the last step
+        # (unit index, IOHandle) since the last step (bounded: evaluation has no step)
+        self.loads: deque[tuple[int, Any]] = deque(maxlen=4096)
 
     @property
     def moves(self) -> bool:
@@ -229,7 +232,7 @@ class Streamed(UnitByUnit):
         s = strategy
         assert s.tiers.opt is not None
         self.tier: Tier = s.tiers.opt
-        self.depth = max(1, s.cfg.offload_prefetch)
+        self.depth = s.cfg.offload_prefetch
         self.masters: dict[int, Placed] = s.tiers.masters  # placed while the units were built
         self.states: dict[tuple[int, int, str], Placed] = {}  # (unit, view #, name)
 
