@@ -255,15 +255,14 @@ def test_unsupported_keys_are_listed_together():
     with pytest.raises(ConfigError) as e:
         from_deepspeed(DS / "unsupported.json")
     msg = str(e.value)
-    assert "\n" not in msg and "8 setting(s)" in msg
+    assert "\n" not in msg and "6 setting(s)" in msg
     for key in ("optimizer.params.amsgrad=true", "fp16.consecutive_hysteresis=true",
-                'zero_optimization.offload_param.device="cpu"',
-                'zero_optimization.offload_optimizer.device="nvme"',
                 "zero_optimization.zero_quantized_weights=true",
                 "zero_optimisation.stage=2", "did you mean 'zero_optimization'",
                 "progressive_layer_drop.enabled=true", 'sparse_attention.mode="fixed"'):
         assert key in msg, key
     assert "flops_profiler" not in msg  # disabled: nothing of it runs
+    assert "offload" not in msg  # ZeRO-3 with params on cpu, optimizer on nvme: mapped
 
 
 @pytest.mark.parametrize("ds,match", [
@@ -309,6 +308,116 @@ def test_invalid_mapped_config_is_one_zerotrain_error():
                                  "zero_optimization": {"stage": 2},
                                  "optimizer": {"type": "Muon", "params": {"lr": 0.02}}})
     assert (cfg.optimizer.name, cfg.zero.stage) == ("muon", 2)
+
+
+# ----------------------------------------------------------------------------- offload tiers
+
+
+def _zero3(**sections) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **sections}}
+
+
+def test_zero_infinity_nvme_example():
+    """DeepSpeed 0.19.8's keys: offload_{param,optimizer} on nvme and the aio section."""
+    m = map_deepspeed(DS / "stage3_infinity_nvme.json", world_size=4)
+    cfg = build_config(m.config)
+    expect(cfg, {
+        "zero.stage": 3, "zero.offload_param": "nvme", "zero.offload_optimizer": "nvme",
+        "zero.nvme_path": "/local_nvme",
+        "zero.offload_prefetch": 2,  # buffer_count 3 = the unit in use + 2 read ahead
+        "zero.nvme_block_mb": 4.0,  # aio.block_size 4194304 bytes
+        "zero.nvme_threads": 4,  # aio.intra_op_parallelism
+        "zero.prefetch": True, "data.micro_batch_size": 4, "data.grad_accum_steps": 2,
+    })
+    notes = "\n".join(m.notes)
+    for key, verdict in [("offload_param.pin_memory", "honoured"),
+                         ("offload_optimizer.pin_memory", "honoured"),
+                         ("offload_param.buffer_count", "3 -> zero.offload_prefetch 2"),
+                         ("offload_param.buffer_size", "ignored"),
+                         ("offload_param.max_in_cpu", "ignored"),
+                         ("offload_optimizer.buffer_count", "ignored"),
+                         ("offload_optimizer.fast_init", "ignored"),
+                         ("aio.queue_depth", "ignored"), ("aio.single_submit", "ignored"),
+                         ("aio.overlap_events", "ignored"), ("aio.use_gds", "ignored")]:
+        assert re.search(rf"{re.escape(key)}: {re.escape(verdict)}", notes), key
+    assert "ratio" not in notes  # at DeepSpeed's default 1.0: nothing to say
+
+
+def test_offload_defaults_are_deepspeeds():
+    """Absent keys take DeepSpeed's defaults: buffer_count 5 (nvme), aio block 1 MiB and
+    one thread; cpu parameters follow stage3_prefetch_bucket_size; pin_memory false is
+    named as ignored."""
+    m = map_deepspeed(_zero3(offload_param={"device": "nvme", "nvme_path": "/d"}))
+    z = build_config(m.config).zero
+    assert (z.offload_param, z.offload_optimizer, z.offload_prefetch, z.nvme_block_mb,
+            z.nvme_threads) == ("nvme", "none", 4, 1.0, 1)
+    cpu = map_deepspeed(_zero3(offload_param={"device": "cpu", "pin_memory": False,
+                                              "buffer_count": 9},
+                               stage3_prefetch_bucket_size=0))
+    assert cpu.config["zero"]["offload_param"] == "cpu"
+    assert cpu.config["zero"]["offload_prefetch"] == 0 and not cpu.config["zero"]["prefetch"]
+    assert any(n.startswith("zero_optimization.offload_param.pin_memory: ignored (zerotrain "
+                            "pins") for n in cpu.notes)
+    assert any("buffer_count: ignored (DeepSpeed reads it with device nvme only)" in n
+               for n in cpu.notes)
+    assert "offload_prefetch" not in map_deepspeed(_zero3(offload_param={"device": "cpu"})
+                                                   ).config["zero"]  # zerotrain's 1
+    for count, ahead in ((1, 0), (0, 0), (20, 8)):
+        got = map_deepspeed(_zero3(offload_param={"device": "nvme", "nvme_path": "/d",
+                                                  "buffer_count": count}))
+        assert got.config["zero"]["offload_prefetch"] == ahead, count
+
+
+def test_aio_without_nvme_is_noted_not_mapped():
+    m = map_deepspeed({"train_micro_batch_size_per_gpu": 1,
+                       "zero_optimization": {"stage": 2, "offload_optimizer": {
+                           "device": "cpu", "nvme_path": "/d"}},
+                       "aio": {"block_size": 2**30, "thread_count": 3, "queue_depth": 4}})
+    z = m.config["zero"]
+    assert z["offload_optimizer"] == "cpu"
+    assert not {"nvme_path", "nvme_block_mb", "nvme_threads"} & set(z)
+    for key in ("aio.block_size: ignored (no nvme tier", "aio.thread_count: ignored (no nvme",
+                "offload_optimizer.nvme_path: ignored (offload_optimizer.device is cpu",
+                "aio.queue_depth: ignored"):
+        assert any(key in n for n in m.notes), key
+    old = map_deepspeed(_zero3(offload_optimizer={"device": "nvme", "nvme_path": "/d"}),
+                        overrides=None)
+    assert old.config["zero"]["nvme_threads"] == 1
+    named = map_deepspeed({**_zero3(offload_optimizer={"device": "nvme", "nvme_path": "/d"}),
+                           "aio": {"thread_count": 6}})
+    assert named.config["zero"]["nvme_threads"] == 6  # the older releases' name
+
+
+@pytest.mark.parametrize("zero,match", [
+    ({"stage": 2, "offload_param": {"device": "cpu"}},
+     'offload_param.device="cpu": parameters are offloaded at ZeRO stage 3 only'),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/d"}},
+     'offload_optimizer.device="nvme": zerotrain keeps optimizer states on NVMe at ZeRO '
+     "stage 3 only"),
+    ({"stage": 3, "offload_param": {"device": "gpu"}},
+     'offload_param.device="gpu": must be none, cpu or nvme'),
+    ({"stage": 3, "offload_param": {"device": "nvme"}},
+     'offload_param.device="nvme": device nvme needs zero_optimization.offload_param.nvme_path'),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}},
+     'offload_optimizer.nvme_path="/b" and zero_optimization.offload_param.nvme_path="/a": '
+     "zerotrain keeps both nvme tiers under one directory"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+     "offload_optimizer.ratio=0.5: zerotrain supports only DeepSpeed's default 1.0"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/d", "buffer_count": -1}},
+     "offload_param.buffer_count=-1: must be >= 0"),
+])
+def test_offload_refusals_name_the_key(zero, match):
+    with pytest.raises(ConfigError) as e:
+        from_deepspeed({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
+    assert match in str(e.value) and "1 setting(s)" in str(e.value)
+
+
+def test_aio_thread_names_must_agree():
+    with pytest.raises(ConfigError, match="1 setting.*intra_op_parallelism and "
+                                          r"aio.thread_count \(its older name\) differ"):
+        from_deepspeed({**_zero3(offload_param={"device": "nvme", "nvme_path": "/d"}),
+                        "aio": {"intra_op_parallelism": 2, "thread_count": 4}})
 
 
 # ----------------------------------------------------------------------------- YAML, loading

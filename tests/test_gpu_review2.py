@@ -350,7 +350,7 @@ def test_offload_publish_fences_its_staging_before_rewriting_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart())
     monkeypatch.setattr(torch.cuda, "Event", _CudaEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    s.grads.gpu = True  # the CUDA branch of write_master_into
+    s.placement.gpu = True  # the CUDA branch of HostOffload.write_master
     for u in s.units:
         s.publish(u)  # creates each unit's staging
     log: list = []
@@ -368,7 +368,7 @@ def test_offload_publish_fences_its_staging_before_rewriting_it(monkeypatch):
             u.master.add_(1.0)  # a new update to publish
             s.publish(u)
             assert torch.equal(u.publish_staging, u.master.to(torch.bfloat16))
-    s.grads.gpu = False
+    s.placement.gpu = False
     eng.close()
     assert len(s.units) > 1 and log == [(u.index, True) for u in s.units], log
 
@@ -450,9 +450,9 @@ def test_close_waits_for_in_flight_copies_before_unregistering(monkeypatch):
     rt = Cudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("compute"))
-    g = eng.strategy.grads
-    g.gpu, g.stream = True, Stream("side")
-    g.registered += [offload.host_buffer(8, torch.float32, True) for _ in range(2)]
+    p = eng.strategy.placement
+    p.gpu, p.grads.stream = True, Stream("side")
+    p.registered += [offload.host_buffer(8, torch.float32, True) for _ in range(2)]
     eng.close()
     assert log == ["sync compute", "sync side", "unregister", "unregister"]
 

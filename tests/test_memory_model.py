@@ -21,8 +21,9 @@ from zerotrain.memory import (
     shard_numel,
     traffic_per_step,
 )
-from zerotrain.models import count_params, model_size, unit_numels
+from zerotrain.models import count_params
 from zerotrain.models.gpt import GPT
+from zerotrain.zero.cut import model_size, unit_numels
 
 MIXED = dict(param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8)  # bf16 + AdamW
 

@@ -39,10 +39,10 @@ def patch_sleeps() -> None:
     from zerotrain.data import sampler
     from zerotrain.zero import offload
 
-    real_write = offload.OffloadMixin.write_master_into
+    real_write = offload.HostOffload.write_master
 
     def write(self, u, dst):
-        if self.grads.gpu:
+        if self.gpu:
             torch.cuda._sleep(SLEEP_CYCLES)  # the publish H2D queues behind this
         return real_write(self, u, dst)
 
@@ -67,7 +67,7 @@ def patch_sleeps() -> None:
             torch.cuda._sleep(SLEEP_CYCLES)  # the pinned staging block stays in use
         return real_to_device(t, device)
 
-    offload.OffloadMixin.write_master_into = write
+    offload.HostOffload.write_master = write
     offload.HostGrads.landing = landing
     sampler.to_device = to_device
 

@@ -387,7 +387,7 @@ class Engine(DeepSpeedAPI):
         engine existed, next to the memory model's prediction: `memory.phase_estimates`
         of `zero.run_shape`, the code path `zerotrain estimate` takes.
         `activations`: the model's saved activations, when the caller can count them."""
-        shape = run_shape(type(self.strategy), self.config, self.module, self.plan,
+        shape = run_shape(self.strategy.kind, self.config, self.module, self.plan,
                           self.device.type, self.world_size)
         predicted = phase_estimates(shape, activations)
         base = self.phases.baseline

@@ -20,29 +20,35 @@ from zerotrain.cli.args import (
     plot_path,
     size_help,
 )
-from zerotrain.config.run import OFFLOAD_RULE
+from zerotrain.cli.estimate_rows import (
+    ROWS,
+    TIER_ROWS,
+    Row,
+    add_tier_flags,
+    row_estimate,
+    select_rows,
+)
 from zerotrain.memory import (
     CPU_BASELINE_BYTES,
+    FIELDS,
     PRECISIONS,
     MemoryEstimate,
     bytes_per_param,
     config_activations,
     max_params,
     max_seq,
-    model_state_bytes,
-    muon_state_bytes,
     phase_estimates,
+    shape_traffic,
     steady_peak,
-    traffic_per_step,
+    tier_traffic,
 )
-from zerotrain.models import model_size
 from zerotrain.optim import state_bytes_per_param
+from zerotrain.zero.cut import model_size
 
 if TYPE_CHECKING:
     from zerotrain.config import Config
 
-ROWS = [("DDP", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3", 3, False),
-        ("ZeRO-2+offload", 2, True), ("ZeRO-3+offload", 3, True)]
+__all__ = ["ROWS", "TIER_ROWS", "main_estimate", "predict_peaks"]
 
 
 def _build_parser() -> Parser:
@@ -65,10 +71,12 @@ def _build_parser() -> Parser:
                    help="gradient dtype (default: compute, the precision's own)")
     p.add_argument("--gpu-mem", metavar="SIZE",
                    help=f"device memory per GPU, e.g. 80GB or 80GiB ({size_help('GB')})")
-    p.add_argument("--host-mem", metavar="SIZE", help="host memory per rank, for the offload "
-                   f"rows, e.g. 512GB ({size_help('GB')})")
+    p.add_argument("--host-mem", "--host-memory", dest="host_mem", metavar="SIZE",
+                   help="host memory per rank, for the offload rows, e.g. 512GB "
+                   f"({size_help('GB')})")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="show only this stage")
     p.add_argument("--offload", action="store_true", help="show only the offload rows")
+    add_tier_flags(p)
     p.add_argument("--largest-unit", metavar="N",
                    help="ZeRO-3 gather unit in elements (--params mode)")
     p.add_argument("--micro-batch", metavar="B", type=int,
@@ -108,22 +116,6 @@ def _ckpt_mode(v: str) -> bool | str:
     return modes[v.lower()]
 
 
-def training_refuses(optimizer: str, stage: int, offload: bool) -> str | None:
-    """Why `zerotrain train` would refuse `optimizer` at this stage, or None.
-
-    The config validator answers, so the estimator offers exactly what training accepts
-    and follows by itself when a rule changes.
-    """
-    from zerotrain.config import ConfigError, build_config
-
-    zero = {"stage": stage, "offload_optimizer": "cpu" if offload else "none"}
-    try:
-        build_config({"optimizer": {"name": optimizer}, "zero": zero})
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
 def _load_model_config(args: argparse.Namespace) -> Config | None:
     if args.model:
         from zerotrain.config import load_config
@@ -157,7 +149,12 @@ def _resolve(args: argparse.Namespace) -> dict:
         "optimizer": pick(args.optimizer, lambda: cfg.optimizer.name, "adamw"),
         "momentum": pick(args.momentum, lambda: cfg.optimizer.momentum, 0.0),
         "activations": 0, "largest_unit": 0,
+        "offload_prefetch": pick(args.offload_prefetch, lambda: cfg.zero.offload_prefetch, 1),
+        "micro_steps": pick(args.grad_accum, lambda: cfg.data.grad_accum_steps, 1),
     }
+    if not 0 <= s["offload_prefetch"] <= 8 or s["micro_steps"] < 1:
+        raise UsageError(f"--offload-prefetch must be 0-8 and --grad-accum >= 1; got "
+                         f"{s['offload_prefetch']} and {s['micro_steps']}")
     try:
         k = state_bytes_per_param(s["optimizer"], s["momentum"])
         s["bytes_per_param"] = asdict(bytes_per_param(s["precision"], k,
@@ -209,6 +206,10 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
         "precision": cfg.precision.model_copy(update={
             "dtype": precision, "grad_accum_dtype": pick(
                 args.grad_dtype, lambda: cfg.precision.grad_accum_dtype, "fp32")}),
+        "zero": cfg.zero.model_copy(update={"offload_prefetch": pick(
+            args.offload_prefetch, lambda: cfg.zero.offload_prefetch, 1)}),
+        "data": cfg.data.model_copy(update={"grad_accum_steps": pick(
+            args.grad_accum, lambda: cfg.data.grad_accum_steps, 1)}),
         "optimizer": cfg.optimizer.model_copy(update={
             "name": pick(args.optimizer, lambda: cfg.optimizer.name, "adamw"),
             "momentum": pick(args.momentum, lambda: cfg.optimizer.momentum, 0.0)})})
@@ -226,71 +227,52 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
 def _limits(args: argparse.Namespace) -> dict:
     gpu = parse_size(args.gpu_mem, "--gpu-mem", bare_unit="GB") if args.gpu_mem else None
     host = parse_size(args.host_mem, "--host-mem", bare_unit="GB") if args.host_mem else None
+    disk = parse_size(args.disk, "--disk", bare_unit="GB") if args.disk else None
     if (args.max_params or args.max_seq) and gpu is None:
         raise UsageError("--max-params/--max-seq need --gpu-mem (the limit to fit under)")
     if args.bandwidth is not None and (args.bandwidth <= 0 or args.latency < 0):
         raise UsageError("--bandwidth must be > 0 GB/s and --latency >= 0 µs")
     binary = (gpu or host).binary if (gpu or host) else False
     return {"gpu_mem": gpu.nbytes if gpu else None, "host_mem": host.nbytes if host else None,
-            "unit": "GiB" if binary else "GB"}
+            "disk": disk.nbytes if disk else None, "unit": "GiB" if binary else "GB"}
 
 
-def _rows(args: argparse.Namespace, optimizer: str) -> tuple[list, dict[str, str]]:
-    """The rows to show, and those left out because training refuses them (with why)."""
-    rows = [r for r in ROWS if (args.stage is None or r[1] == args.stage)
-            and (not args.offload or r[2])]
-    if not rows:
-        raise UsageError(f"stage {args.stage} has no offload variant ({OFFLOAD_RULE})")
-    refused = {label: why for label, st, off in rows
-               if (why := training_refuses(optimizer, st, off)) is not None}
-    if refused and (args.stage is not None or len(refused) == len(rows)):
-        label, why = next(iter(refused.items()))
-        raise UsageError(f"{label} with --optimizer {optimizer}: zerotrain train refuses it "
-                         f"({why})")
-    return [r for r in rows if r[0] not in refused], refused
-
-
-def _row(s: dict, stage: int, offload: bool, psi: int | None = None) -> MemoryEstimate:
-    bpp = s["bytes_per_param"]
-    est = model_state_bytes(
-        s["psi"] if psi is None else psi, s["world_size"], stage, param_bytes=bpp["params"],
-        grad_bytes=bpp["grads"], master_bytes=bpp["master"], optim_bytes=bpp["optimizer"],
-        offload=offload, largest_unit=s["largest_unit"])
-    est.activations = s["activations"]
-    if "muon_matrix_fraction" in s:  # momentum on the owner only, m and v on the shards
-        psi = s["psi"] if psi is None else psi
-        mats = round(psi * s["muon_matrix_fraction"])
-        (est.host if offload else est.device)["optimizer"] = muon_state_bytes(
-            mats, psi - mats, s["world_size"], stage)
-    return est
-
-
-def _fits(s: dict, est: MemoryEstimate) -> tuple[bool | None, bool | None]:
-    """(fits the device, fits the host); None where no limit was given."""
+def _fits(s: dict, est: MemoryEstimate) -> tuple[bool | None, bool | None, bool | None]:
+    """(fits the device, the host, the disk); None where no limit was given."""
     dev = None if s["gpu_mem"] is None else est.device_total <= s["gpu_mem"]
     host = None if s["host_mem"] is None else est.host_total <= s["host_mem"]
-    return dev, host
+    disk = None if s["disk"] is None else est.disk_total <= s["disk"]
+    return dev, host, disk
 
 
-def _largest(s: dict, stage: int, offload: bool) -> dict:
-    """The largest Ψ within the limits, and the host memory a row needs at that Ψ."""
+def _largest(s: dict, row: Row) -> dict:
+    """The largest Ψ within the limits, and the host memory and disk a row needs there.
+    A row that no limit given bounds (its growing states all in unlimited tiers) says
+    which limit to give, instead of an answer."""
     def fits(p: int) -> bool:
-        return all(x is not False for x in _fits(s, _row(s, stage, offload, p)))
+        return all(x is not False for x in _fits(s, row_estimate(s, row, p)[0]))
 
     try:
         mp = max_params(fits)
     except ValueError as e:  # the bisection found no upper bound
-        raise UsageError(f"--max-params: {e}; give a smaller --gpu-mem or --host-mem") from None
-    host = _row(s, stage, offload, mp).host_total if mp is not None else 0
-    return {"max_params": mp, "max_params_host_bytes": host}
+        if not row.tiered:
+            raise UsageError(f"--max-params: {e}; give a smaller --gpu-mem or --host-mem"
+                             ) from None
+        need = [f for f, lim, on in (("--host-mem", s["host_mem"], True), ("--disk", s["disk"],
+                                     "nvme" in row)) if on and lim is None]
+        return {"max_params": None, "max_params_host_bytes": 0, "max_params_disk_bytes": 0,
+                "max_params_unbounded": " or ".join(need) or "smaller limits"}
+    est = row_estimate(s, row, mp)[0] if mp is not None else None
+    return {"max_params": mp, "max_params_host_bytes": est.host_total if est else 0,
+            "max_params_disk_bytes": est.disk_total if est else 0}
 
 
-def _longest(s: dict, stage: int, offload: bool) -> dict:
+def _longest(s: dict, row: Row) -> dict:
     """The longest sequence whose activations fit beside this row's model states in
     --gpu-mem (the inverse of the activation model, like --max-params for Ψ)."""
     def at(seq: int) -> MemoryEstimate:
         acts = config_activations(s["config"], s["micro_batch"], seq, device=s["device"])
-        return _row({**s, "activations": acts.peak}, stage, offload)
+        return row_estimate({**s, "activations": acts.peak}, row)[0]
 
     longest = max_seq(lambda seq: _fits(s, at(seq))[0] is not False)
     host = at(longest).host_total if longest else 0
@@ -301,47 +283,61 @@ def _longest(s: dict, stage: int, offload: bool) -> dict:
             "max_seq_host_bytes": host}
 
 
-def _report(s: dict, rows: list[tuple[str, int, bool]], args: argparse.Namespace) -> dict:
-    bpp = s["bytes_per_param"]
+def _tiers_of(est: MemoryEstimate, shape) -> dict:
+    """The JSON of a row's tiers: where each state lives, the buffers, bytes moved."""
+    moves = tier_traffic(shape)
+    return {"shards": sorted(shape.shards), "tiers": {f: shape.tier(f) for f in FIELDS},
+            "disk": est.disk,
+            "disk_total": est.disk_total, "staging": est.staging,
+            "tier_traffic": {"micro_steps": shape.micro_steps, **moves.per_tier(),
+                             "moves": [asdict(m) for m in moves.moves]}}
+
+
+def _report(s: dict, rows: list[Row], args: argparse.Namespace) -> dict:
     out: dict = dict(s)
     out["unit_bytes"] = 2**30 if s["unit"] == "GiB" else 10**9
     out["rows"] = []
-    for label, stage, off in rows:
-        est = _row(s, stage, off)
+    for row in rows:
+        est, shape = row_estimate(s, row)
         mats = round(s["psi"] * s.get("muon_matrix_fraction", 0.0))
-        tr = traffic_per_step(s["psi"], s["world_size"], stage, param_bytes=bpp["params"],
-                              grad_bytes=bpp["grads"], offload=off, muon_matrix_numel=mats,
-                              update_bytes=bpp["master"] or bpp["params"])
-        dev_fits, host_fits = _fits(s, est)
-        r = {"label": label, "stage": stage, "offload": off, "device": est.device,
-             "host": est.host, "gathered": est.gathered, "activations": est.activations,
-             "padding_elems": est.padding_elems, "device_total": est.device_total,
-             "host_total": est.host_total, "fits": dev_fits, "host_fits": host_fits,
+        bpp = shape.bpp
+        tr = shape_traffic(shape, muon_matrix_numel=mats,
+                           update_bytes=bpp.master or bpp.params)
+        dev_fits, host_fits, disk_fits = _fits(s, est)
+        r = {"label": row.label, "stage": row.stage, "offload": row.offload,
+             "offload_optimizer": row.offload_optimizer, "offload_param": row.offload_param,
+             "device": est.device, "host": est.host, "gathered": est.gathered,
+             "activations": est.activations, "padding_elems": est.padding_elems,
+             "device_total": est.device_total, "host_total": est.host_total,
+             "fits": dev_fits, "host_fits": host_fits, "disk_fits": disk_fits,
              "traffic": {"sent_numel": tr.sent_numel, "sent_bytes": tr.sent_bytes,
                          "device_to_host_bytes": tr.device_to_host_bytes,
                          "host_to_device_bytes": tr.host_to_device_bytes,
-                         "collectives": [asdict(c) for c in tr.collectives]}}
+                         "collectives": [asdict(c) for c in tr.collectives]},
+             **_tiers_of(est, shape)}
         if args.bandwidth is not None:
             r["traffic"]["time_s"] = tr.time_s(args.bandwidth, args.latency)
         if args.max_params:
-            r.update(_largest(s, stage, off))
+            r.update(_largest(s, row))
         if args.max_seq:
-            r.update(_longest(s, stage, off))
+            r.update(_longest(s, row))
         if "config" in s:
-            r["peaks"] = predict_peaks(s["config"], s["world_size"], stage, off,
-                                       device=s["device"], micro_batch=s["micro_batch"],
-                                       seq=s["seq"])
+            r["peaks"] = predict_peaks(s["config"], s["world_size"], row.stage,
+                                       row.offload_optimizer, device=s["device"],
+                                       micro_batch=s["micro_batch"], seq=s["seq"],
+                                       offload_param=row.offload_param)
         out["rows"].append(r)
     out.pop("config", None)
     return out
 
 
-def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
+def predict_peaks(cfg: Config, world: int, stage: int, offload: bool | str = False, *,
                   device: str = "cpu", micro_batch: int | None = None,
-                  seq: int | None = None) -> dict[str, Any]:
+                  seq: int | None = None, offload_param: str = "none") -> dict[str, Any]:
     """A run of `cfg` at this stage, per rank: each phase's bytes above the process's
     baseline (`memory.phase_estimates`, fed with the flat buffers the engine cuts, by the
     engine's own functions) and the init and steady peaks including the baseline.
+    `offload`: the optimizer's tier (True: cpu); `offload_param`: the parameters'.
 
     device "cpu": resident memory as the OS counts it (the CPU runtime's baseline,
     allocator retention, a high-water mark); "cuda": what the allocator counts.
@@ -350,8 +346,12 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool = False, *,
     from zerotrain.models import build_model, plan_for
     from zerotrain.zero import STRATEGIES, run_shape
 
+    opt = offload if isinstance(offload, str) else "cpu" if offload else "none"
+    cfg = cfg.model_copy(update={"zero": cfg.zero.model_copy(update={
+        "offload_optimizer": opt, "offload_param": offload_param})})
     model = build_model(cfg.model, device="meta")
-    shape = run_shape(STRATEGIES[(stage, offload)], cfg, model, plan_for(model), device, world)
+    shape = run_shape(STRATEGIES[(stage, opt != "none")], cfg, model, plan_for(model), device,
+                      world)
     act = config_activations(cfg, micro_batch, seq, device=device).peak
     phases = phase_estimates(shape, act)
     cpu = device == "cpu"
@@ -371,7 +371,10 @@ def main_estimate(argv: list[str]) -> int:
     args = _build_parser().parse_args(argv)
     plot = plot_path(args.plot) if args.plot else None
     s = _resolve(args)
-    rows, refused = _rows(args, s["optimizer"])
+    rows, refused = select_rows(args, s["optimizer"])
+    if s["disk"] is not None and not any("nvme" in r for r in rows):
+        raise UsageError("--disk bounds the nvme rows: add --offload-param nvme, "
+                         "--offload-optimizer nvme or --tiers")
     rep = _report(s, rows, args)
     rep["left_out"] = refused
     if plot is not None:

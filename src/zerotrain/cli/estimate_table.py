@@ -14,6 +14,19 @@ from zerotrain.memory import FIELDS
 _W = 9  # column width
 _COLS = ["params", "grads", "master", "optim", "gathered", "activ", "TOTAL"]
 _HCOLS = ["grads", "master", "optim", "TOTAL"]
+# with ZeRO-Infinity rows: host params and the tiers' buffers, and a disk group
+_HCOLS_TIERS = ["params", "grads", "master", "optim", "buffers", "TOTAL"]
+_DCOLS = ["params", "master", "optim", "TOTAL"]
+
+
+def tiered(rep: dict) -> bool:
+    """Whether a row keeps parameters off the device or anything on disk."""
+    return any(r.get("offload_param", "none") != "none" or r.get("offload_optimizer") == "nvme"
+               for r in rep["rows"])
+
+
+def _label_width(rep: dict) -> int:
+    return max([15, *(len(r["label"]) + 1 for r in rep["rows"])])
 
 
 def display_unit(rep: dict) -> tuple[str, int]:
@@ -38,6 +51,8 @@ def _fits_text(r: dict) -> str:
         return "  DOES NOT FIT"
     if r.get("host_fits") is False:
         return "  DOES NOT FIT (host)"
+    if r.get("disk_fits") is False:
+        return "  DOES NOT FIT (disk)"
     return "  FITS"
 
 
@@ -46,6 +61,8 @@ def _head(rep: dict, unit: tuple[str, int]) -> list[str]:
     limits = [f"device limit {_limit(lim, binary)}"] if lim is not None else []
     if rep.get("host_mem") is not None:
         limits.append(f"host limit {_limit(rep['host_mem'], binary)}")
+    if rep.get("disk") is not None:
+        limits.append(f"disk limit {_limit(rep['disk'], binary)}")
     lines = [
         f"zerotrain estimate: Ψ = {rep['psi']:,} params on N = {rep['world_size']} ranks, "
         f"{rep['precision']} (grads {rep['grad_dtype']}), {rep['optimizer']}",
@@ -68,13 +85,19 @@ def _head(rep: dict, unit: tuple[str, int]) -> list[str]:
     return lines
 
 
-def _row_line(r: dict, u: int, limits: bool) -> str:
+def _row_line(r: dict, u: int, limits: bool, lw: int = 15, tiers: bool = False) -> str:
     d, h = r["device"], r["host"]
     vals = [d["params"], d["grads"], d["master"], d["optimizer"], r["gathered"],
             r["activations"], r["device_total"]]
     hv = [h["grads"], h["master"], h["optimizer"], r["host_total"]]
-    line = (f"{r['label']:<15}|" + "".join(_fmt(v, u) for v in vals) + " |"
-            + "".join(_fmt(v, u) for v in hv) + f" |{_fmt(r['traffic']['sent_bytes'], u)}")
+    if tiers:
+        hv = [h["params"], *hv[:3], r["staging"]["host"], r["host_total"]]
+        k = r["disk"]
+        hv += [k["params"], k["master"], k["optimizer"], r["disk_total"]]
+    line = (f"{r['label']:<{lw}}|" + "".join(_fmt(v, u) for v in vals) + " |"
+            + "".join(_fmt(v, u) for v in hv[:len(hv) - 4 * tiers]) + " |"
+            + ("".join(_fmt(v, u) for v in hv[-4:]) + " |" if tiers else "")
+            + f"{_fmt(r['traffic']['sent_bytes'], u)}")
     if "time_s" in r["traffic"]:
         line += f" {r['traffic']['time_s'] * 1e3:{_W}.1f}"
     return line + (_fits_text(r) if limits else "")
@@ -83,13 +106,14 @@ def _row_line(r: dict, u: int, limits: bool) -> str:
 def _notes(rep: dict, unit: tuple[str, int]) -> list[str]:
     (name, u), lines = unit, []
     off = next((r["traffic"] for r in rep["rows"] if r["offload"]), None)
-    if off:
+    if off and not tiered(rep):
         d2h, h2d = off["device_to_host_bytes"] / u, off["host_to_device_bytes"] / u
         lines.append(f"offload rows also copy per step and rank: {d2h:.2f} {name} grad shard "
                      f"device→host, {h2d:.2f} {name} param shard host→device (not in 'sent')")
-    if any(r["stage"] == 3 for r in rep["rows"]) and not rep["largest_unit"]:
+    if any("params" in r["shards"] for r in rep["rows"]) and not rep["largest_unit"]:
         lines.append("ZeRO-3 'gathered' (the largest unit's full params) not counted: "
-                     "pass --model or --largest-unit")
+                     "pass --model or --largest-unit"
+                     + (" (nor the tiers' buffers, a few unit shards)" if tiered(rep) else ""))
     if rep.get("muon_matrix_fraction") is not None:
         frac = rep["muon_matrix_fraction"]
         lines.append(f"muon: {frac:.1%} of Ψ are matrices"
@@ -109,17 +133,47 @@ def _largest_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
     binary = rep["unit"] == "GiB"
     fixed = " (activations and gathered unit held fixed)" if rep["activations"] else ""
     host = f" and {_limit(rep['host_mem'], binary)} of host" if rep.get("host_mem") else ""
+    disk = f" and {_limit(rep['disk'], binary)} of disk" if rep.get("disk") else ""
     lines = ["", f"largest Ψ that fits in {_limit(rep['gpu_mem'], binary)} per device{host}"
-                 f"{fixed}:"]
+                 f"{disk}{fixed}:"]
+    lw = _label_width(rep)
     for r in rep["rows"]:
         mp = r["max_params"]
         text = ("nothing fits (fixed costs exceed the limit)" if mp is None
                 else f"{mp:,} ({mp / 1e9:.2f}B)")
-        if mp is not None and r["offload"] and rep.get("host_mem") is None:
+        if r.get("max_params_unbounded"):
+            text = (f"no limit given bounds it (its states grow off the device): give "
+                    f"{r['max_params_unbounded']}")
+        if mp is not None and r["host_total"] and rep.get("host_mem") is None:
             need = r["max_params_host_bytes"] / unit[1]
             text += (f", needing {need:.2f} {unit[0]} of host memory per rank "
                      "(bound it with --host-mem)")
-        lines.append(f"  {r['label']:<15} {text}")
+        if mp is not None and r["disk_total"] and rep.get("disk") is None:
+            need = r["max_params_disk_bytes"] / unit[1]
+            text += f", {need:.2f} {unit[0]} of disk per rank (bound it with --disk)"
+        lines.append(f"  {r['label']:<{lw - 1}} {text}")
+    return lines
+
+
+def _tier_traffic_lines(rep: dict, unit: tuple[str, int], lw: int) -> list[str]:
+    """Bytes moved per step and rank between the tiers (`memory.tier_traffic`)."""
+    (name, u), rows = unit, rep["rows"]
+    cols = ["read", "written", "read", "written", "to dev", "from dev"]
+    a = rows[0]["tier_traffic"]["micro_steps"] if rows else 1
+    head = (f"{'stage':<{lw}}|{'host':^{2 * _W}} |{'disk':^{2 * _W}} |"
+            f"{'device (PCIe)':^{2 * _W}} |")
+    sub = f"{'':{lw}}|" + "".join(f"{c:>{_W}}" + (" |" if i % 2 else "")
+                                  for i, c in enumerate(cols))
+    lines = ["", f"bytes moved per step and rank between the tiers, {name} ({a} micro-step"
+                 f"{'s' if a != 1 else ''}; parameters off the device are fetched for each "
+                 "forward and backward, written back once; an optimizer on disk reads and "
+                 "writes its master and moments once):", head, sub, "-" * len(sub)]
+    for r in rows:
+        t = r["tier_traffic"]
+        vals = [t["host"]["read"], t["host"]["written"], t["disk"]["read"],
+                t["disk"]["written"], t["device"]["written"], t["device"]["read"]]
+        lines.append(f"{r['label']:<{lw}}|" + "".join(
+            _fmt(v, u) + (" |" if i % 2 else "") for i, v in enumerate(vals)))
     return lines
 
 
@@ -129,7 +183,7 @@ def _longest_lines(rep: dict) -> list[str]:
                  f"(micro-batch {rep['micro_batch']}; model states as configured):"]
     for r in rep["rows"]:
         n = r["max_seq"]
-        lines.append(f"  {r['label']:<15} " + (f"{n:,} tokens" if n else
+        lines.append(f"  {r['label']:<{_label_width(rep) - 1}} " + (f"{n:,} tokens" if n else
                                                  "nothing fits (model states exceed the limit)"))
     return lines
 
@@ -150,12 +204,13 @@ def _peak_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
             f"{p0['baseline'] / unit[1]:.2f} {unit[0]} + model states + transients + "
             "allocator retention" if p0["device"] == "cpu" else
             "bytes the CUDA allocator holds (max_memory_allocated)")
-    head = f"{'stage':<15}|{'init':>{_W}}{'steady':>{_W}} |" + "".join(
+    lw = _label_width(rep)
+    head = f"{'stage':<{lw}}|{'init':>{_W}}{'steady':>{_W}} |" + "".join(
         f"{c:>{_W}}" for c in ("forward", "backward", "step"))
     lines = ["", f"predicted peak per rank ({what}), {unit[0]}:", head, "-" * len(head)]
     for r in rows:
         ph = r["peaks"]["phases"]
-        lines.append(f"{r['label']:<15}|{_fmt(r['peaks']['init'], unit[1])}"
+        lines.append(f"{r['label']:<{lw}}|{_fmt(r['peaks']['init'], unit[1])}"
                      f"{_fmt(r['peaks']['steady'], unit[1])} |"
                      + "".join(_fmt(ph[k] + r["peaks"]["baseline"], unit[1])
                                for k in ("forward", "backward", "step")))
@@ -164,19 +219,26 @@ def _peak_lines(rep: dict, unit: tuple[str, int]) -> list[str]:
 
 def format_table(rep: dict) -> str:
     """The human table: one row per stage, device and host parts, traffic, FITS."""
-    unit = display_unit(rep)
-    limits = rep["gpu_mem"] is not None or rep.get("host_mem") is not None
-    head = (f"{'stage':<15}|" + "".join(f"{c:>{_W}}" for c in _COLS) + " |"
-            + "".join(f"{c:>{_W}}" for c in _HCOLS) + f" |{'sent':>{_W}}")
+    unit, tiers, lw = display_unit(rep), tiered(rep), _label_width(rep)
+    limits = any(rep.get(k) is not None for k in ("gpu_mem", "host_mem", "disk"))
+    hcols = _HCOLS_TIERS if tiers else _HCOLS
+    head = (f"{'stage':<{lw}}|" + "".join(f"{c:>{_W}}" for c in _COLS) + " |"
+            + "".join(f"{c:>{_W}}" for c in hcols) + " |"
+            + ("".join(f"{c:>{_W}}" for c in _DCOLS) + " |" if tiers else "")
+            + f"{'sent':>{_W}}")
     if any("time_s" in r["traffic"] for r in rep["rows"]):
         head += f" {'comm ms':>{_W}}"
     if limits:
         head += "  fits"
-    groups = (f"{'':15}|{'device per rank':^{_W * len(_COLS)}} |"
-              f"{'host per rank':^{_W * len(_HCOLS)}} |{'per step':>{_W}}")
+    groups = (f"{'':{lw}}|{'device per rank':^{_W * len(_COLS)}} |"
+              f"{'host per rank':^{_W * len(hcols)}} |"
+              + (f"{'disk per rank':^{_W * len(_DCOLS)}} |" if tiers else "")
+              + f"{'per step':>{_W}}")
     lines = [*_head(rep, unit), groups, head, "-" * len(head)]
-    lines += [_row_line(r, unit[1], limits) for r in rep["rows"]]
+    lines += [_row_line(r, unit[1], limits, lw, tiers) for r in rep["rows"]]
     lines += _notes(rep, unit)
+    if tiers:
+        lines += _tier_traffic_lines(rep, unit, lw)
     lines += _peak_lines(rep, unit)
     if rep["rows"] and "max_params" in rep["rows"][0]:
         lines += _largest_lines(rep, unit)

@@ -34,10 +34,9 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     _Z + "load_from_fp32_weights": (True, "checkpoints always restore the fp32 masters"),
     _Z + "ignore_unused_parameters": (True, _OFF),
     _Z + "cpu_offload": (False, "use zero_optimization.offload_optimizer.device cpu"),
-    _Z + "cpu_offload_param": (False, "zerotrain offloads the optimizer only"),
-    _Z + "offload_param.device": ("none", "zerotrain offloads the optimizer only "
-                                          "(offload_optimizer), never the parameters"),
-    _Z + "offload_optimizer.ratio": (1.0, "zerotrain offloads the whole optimizer"),
+    _Z + "cpu_offload_param": (False, "use zero_optimization.offload_param.device cpu"),
+    _Z + "offload_optimizer.ratio": (1.0, "zerotrain offloads the whole optimizer (a ratio "
+                                          "below 1 keeps a part of it on the device)"),
     _Z + "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning: " + _OFF),
     _Z + "zero_quantized_weights": (False, "ZeRO++ quantized weights: " + _OFF),
     _Z + "zero_quantized_nontrainable_weights": (False, _OFF),
@@ -76,7 +75,12 @@ IGNORED: dict[str, str] = {
                                 "itself; zerotrain checkpoints any model's blocks with "
                                 "model.activation_checkpointing (true or offload)",
     "checkpoint": "DeepSpeed's checkpoint I/O options; zerotrain writes its own atomic format",
-    "aio": "NVMe I/O settings; zerotrain does not offload to NVMe",
+    "aio.queue_depth": "libaio's queue depth; zerotrain's NVMe tier issues blocking "
+                       "reads and writes of zero.nvme_block_mb from zero.nvme_threads threads",
+    "aio.single_submit": "a libaio submission mode; zerotrain does not use libaio",
+    "aio.overlap_events": "a libaio event mode; zerotrain's I/O threads run beside the "
+                          "compute, zero.offload_prefetch units ahead",
+    "aio.use_gds": "GPUDirect Storage; zerotrain reads and writes through host memory",
     "comms_logger": "zerotrain logs bytes sent per step (bytes_sent) always",
     "flops_profiler": "no flops profiler in zerotrain",
     "tensorboard.output_path": _WHERE,
@@ -93,15 +97,29 @@ IGNORED: dict[str, str] = {
     _Z + "stage3_max_reuse_distance": "ZeRO-3 frees each unit right after use",
     _Z + "elastic_checkpoint": "zerotrain checkpoints load at any world size",
     _Z + "memory_efficient_linear": "a DeepSpeed kernel choice",
-    _Z + "offload_optimizer.pin_memory": "buffer placement only",
-    _Z + "offload_optimizer.buffer_count": "NVMe only",
-    _Z + "offload_optimizer.fast_init": "NVMe only",
-    _Z + "offload_optimizer.nvme_path": "NVMe only",
-    _Z + "offload_param.pin_memory": "buffer placement only",
-    _Z + "offload_param.buffer_count": "NVMe only",
-    _Z + "offload_param.buffer_size": "NVMe only",
-    _Z + "offload_param.max_in_cpu": "NVMe only",
-    _Z + "offload_param.nvme_path": "NVMe only",
+    _Z + "cpu_offload_use_pin_memory": "deprecated; DeepSpeed itself no longer applies it",
+    _Z + "offload_optimizer.buffer_count": "DeepSpeed's pool of NVMe swap buffers for the "
+                                           "optimizer tensors; zerotrain streams a unit's "
+                                           "masters and moments through "
+                                           "zero.offload_prefetch + 1 buffers",
+    _Z + "offload_optimizer.fast_init": "speeds up DeepSpeed's NVMe optimizer "
+                                        "initialisation; zerotrain writes the first states "
+                                        "unit by unit",
+    _Z + "offload_optimizer.pipeline_read": "zerotrain reads the next unit's optimizer "
+                                            "states during the update, by "
+                                            "zero.offload_prefetch",
+    _Z + "offload_optimizer.pipeline_write": "zerotrain writes a unit's optimizer states "
+                                             "back while the next one is updated",
+    _Z + "offload_optimizer.super_offload": "DeepSpeed's Superchip CPU-Adam schedule; the "
+                                            "update is the same",
+    _Z + "offload_optimizer.cpuadam_cores_perc": "cores for DeepSpeed's CPU Adam; zerotrain's "
+                                                 "host update uses train.threads",
+    _Z + "offload_param.buffer_size": "DeepSpeed's NVMe read buffer size (elements); "
+                                      "zerotrain sizes each buffer to the largest unit's "
+                                      "shard",
+    _Z + "offload_param.max_in_cpu": "with device nvme DeepSpeed keeps up to this many "
+                                     "parameter elements in host memory; zerotrain keeps "
+                                     "every offloaded shard on disk (placement only)",
     "optimizer.params.torch_adam": "picks DeepSpeed's Adam kernel, not its math (its "
                                    "default weight_decay is honoured)",
     "optimizer.params.set_grad_none": "zerotrain's gradients are flat buffers",
@@ -133,7 +151,11 @@ MAPPED: tuple[str, ...] = (
     "data_types.grad_accum_dtype", "fp16.enabled", "fp16.loss_scale",
     "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
     "fp16.min_loss_scale", "bf16.enabled", "bfloat16.enabled", _Z + "stage",
-    _Z + "offload_optimizer.device", _Z + "reduce_bucket_size", _Z + "overlap_comm",
+    _Z + "offload_optimizer.device", _Z + "offload_optimizer.nvme_path",
+    _Z + "offload_optimizer.pin_memory", _Z + "offload_param.device",
+    _Z + "offload_param.nvme_path", _Z + "offload_param.pin_memory",
+    _Z + "offload_param.buffer_count", "aio.block_size", "aio.intra_op_parallelism",
+    "aio.thread_count", _Z + "reduce_bucket_size", _Z + "overlap_comm",
     _Z + "stage3_param_persistence_threshold", _Z + "stage3_prefetch_bucket_size",
     "optimizer.type", *(_P + k for k in (
         "lr", "betas", "eps", "weight_decay", "adam_w_mode", "momentum", "dampening",

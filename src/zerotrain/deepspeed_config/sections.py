@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerotrain.config.run import offload_allowed
+from zerotrain.deepspeed_config.offload import offload
 from zerotrain.deepspeed_config.reader import Reader, leaves
 
 DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size default (elements)
@@ -116,17 +116,6 @@ def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
         r.problem(f"{z}.stage", "must be 0, 1, 2 or 3")
         stage = 0
     zero: dict[str, Any] = {"stage": stage}
-    device = r.get(f"{z}.offload_optimizer.device", "none", str, auto="zero.offload_optimizer")
-    if device == "nvme":
-        r.problem(f"{z}.offload_optimizer.device", "zerotrain offloads the optimizer to CPU "
-                                                   "memory only; use cpu (or none)")
-    elif device not in ("cpu", "none"):
-        r.problem(f"{z}.offload_optimizer.device", "must be cpu or none")
-    elif device == "cpu" and not offload_allowed(stage):
-        r.problem(f"{z}.offload_optimizer.device", "zerotrain offloads from ZeRO stage 2 or 3 "
-                                                   f"(DeepSpeed also at 1); set {z}.stage 2")
-    else:
-        zero["offload_optimizer"] = device
     if r.is_auto(f"{z}.reduce_bucket_size"):
         zero["bucket_mb"] = r.get(f"{z}.reduce_bucket_size", 0.0, auto="zero.bucket_mb")
     else:
@@ -150,6 +139,7 @@ def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
         for key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
             if r.raw(f"{z}.{key}", None) is not None:
                 r.notes.append(f"{z}.{key}: ignored below stage 3 (as DeepSpeed does)")
+    offload(r, stage, zero)
     out["zero"] = zero
 
 

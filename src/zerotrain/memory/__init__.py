@@ -3,6 +3,8 @@
 - `states`: model-state bytes per rank for each ZeRO stage (the ZeRO table), the inverse
   question (the largest model that fits).
 - `traffic`: bytes each rank sends per step, and α–β time.
+- `tiers`: the offload tiers (device, host, disk): what lives where, the tiers' buffers,
+  and the bytes moved between them per step (`tier_traffic`).
 - `activations`: saved and peak activations of GPT, llama and HF models, checkpointed,
   offloaded and tiled.
 - `phases`: peak memory per phase of a run (init, forward, backward, step, save).
@@ -42,26 +44,39 @@ from zerotrain.memory.states import (
     OFFLOADED,
     PRECISIONS,
     STAGE_SHARDS,
+    TIERS,
     BytesPerParam,
     MemoryEstimate,
     activation_dtype_bytes,
     bytes_per_param,
     can_offload,
+    declared_offloads,
     estimate,
     max_params,
     model_state_bytes,
     model_state_bytes_from_buffers,
     muon_state_bytes,
+    offload_problem,
     precision_bytes,
     shard_numel,
     state_bytes,
+    tier_of,
+)
+from zerotrain.memory.tiers import (
+    Move,
+    TierTraffic,
+    shape_state_bytes,
+    staging_bytes,
+    tier_traffic,
 )
 from zerotrain.memory.traffic import (
     CollectiveCost,
     Traffic,
     collective_cost,
+    collective_traffic,
     muon_mean_traffic,
     muon_traffic,
+    shape_traffic,
     traffic_per_step,
 )
 
@@ -74,12 +89,15 @@ __all__ = [
     "PHASES",
     "PRECISIONS",
     "STAGE_SHARDS",
+    "TIERS",
     "Activations",
     "BytesPerParam",
     "CollectiveCost",
     "MemoryEstimate",
+    "Move",
     "PhasePeaks",
     "RunShape",
+    "TierTraffic",
     "Traffic",
     "activation_bytes",
     "activation_dtype_bytes",
@@ -89,7 +107,9 @@ __all__ = [
     "bytes_per_param",
     "can_offload",
     "collective_cost",
+    "collective_traffic",
     "config_activations",
+    "declared_offloads",
     "estimate",
     "head_activation_bytes",
     "max_params",
@@ -100,12 +120,18 @@ __all__ = [
     "muon_mean_traffic",
     "muon_state_bytes",
     "muon_traffic",
+    "offload_problem",
     "phase_estimates",
     "precision_bytes",
     "proc_status",
     "reset_peak_rss",
+    "shape_state_bytes",
+    "shape_traffic",
     "shard_numel",
+    "staging_bytes",
     "state_bytes",
     "steady_peak",
+    "tier_of",
+    "tier_traffic",
     "traffic_per_step",
 ]

@@ -22,6 +22,9 @@ ZeRO table plus what each phase adds. The engine measures the same phases
   at init, and so does the per-parameter path's empty full-unit buffer (made for the
   first gather to fill, released at once, reused unit after unit): its CUDA init bound
   is Σ(shard + master + gradient shard) + the widest parameter + the largest unit.
+- **offload tiers** — states in files on disk (nvme) are in no memory; the tiers' read
+  and write buffers (`memory.tiers.staging_bytes`) are held from the first step on.
+  Saving streams the disk-resident states file to file (nothing more in memory).
 - **gathered units** (ZeRO-3) — the running unit and, with prefetch, the next one.
 - **activations** — saved for backward (`activation_bytes`); the caller counts them.
 - **bucket pool** (stages 2–3) — a unit's gradients land in a full-size bucket of the
@@ -54,7 +57,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zerotrain.memory.shape import RunShape
-from zerotrain.memory.states import shard_numel, state_bytes
+from zerotrain.memory.states import shard_numel
+from zerotrain.memory.tiers import shape_state_bytes
 
 PHASES = ("init", "forward", "backward", "step", "save")
 STEADY = ("forward", "backward", "step")
@@ -117,21 +121,21 @@ def phase_estimates(shape: RunShape, activations: int = 0) -> dict[str, int]:
     sh, bpp, world, numels = shape, shape.bpp, shape.world, shape.buffer_numels
     params_sharded, grads_sharded = "params" in sh.shards, "grads" in sh.shards
     largest_unit = sh.largest_unit if params_sharded else 0
-    est = state_bytes(numels, world, sh.shards, sh.offloads, bpp, largest_unit=largest_unit,
-                      pad_full=True)
+    est = shape_state_bytes(sh, pad_full=True)  # what is on disk is not in memory
     optimizer = est.device["optimizer"] + est.host["optimizer"]
     states = sum(est.device.values()) + sum(est.host.values())
+    buffers = est.staging["device"] + est.staging["host"]
     gathered = (2 if sh.prefetch else 1) * largest_unit * bpp.params
     pool = (bucket_pool_numel(numels, world, sh.in_flight) * sh.reduce_bytes
             if grads_sharded else 0)
-    held = states + pool + sh.runtime  # from the first backward/step on, for good
+    held = states + pool + sh.runtime + buffers  # from the first backward/step on
     shard = sum(shard_numel(n, world) for n in numels)
     if not sh.shards:  # a rank writes only its shard of the replicated state (write_range)
         saved = (bpp.optimizer + (bpp.master or bpp.params)) * shard
     else:
         saved = est.host["master"] + est.device["master"] + optimizer
-        if bpp.master == 0 and not sh.offload:  # fp32: this rank's parameters are its master
-            saved += bpp.params * shard
+        if bpp.master == 0 and sh.tier("params") == sh.tier("optimizer") != "disk":
+            saved += bpp.params * shard  # fp32: this rank's parameters are its master
     grads = est.device["grads"] + est.host["grads"] if sh.lazy_grads and grads_sharded else 0
     if not params_sharded:
         drawn = 0

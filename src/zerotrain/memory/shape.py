@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zerotrain.config.run import OFFLOAD_RULE
-from zerotrain.memory.states import OFFLOADED, STAGE_SHARDS, BytesPerParam, can_offload
+from zerotrain.memory.states import (
+    STAGE_SHARDS,
+    BytesPerParam,
+    declared_offloads,
+    offload_problem,
+    tier_of,
+)
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,8 @@ class RunShape:
     world: int
     bpp: BytesPerParam
     shards: frozenset[str] = frozenset()
-    offloads: frozenset[str] = frozenset()
+    offloads: frozenset[str] = frozenset()  # kept off the device between uses
+    disk: frozenset[str] = frozenset()      # of those, kept in files (nvme); else host
     largest_unit: int = 0       # elements of the largest unit (gathered whole at ZeRO-3)
     widest_param: int = 0       # elements of the largest parameter (autograd's fresh grad)
     reduce_bytes: int = 4       # bytes per element of a gradient on the wire
@@ -36,25 +42,38 @@ class RunShape:
     init_piece: int | None = None  # ZeRO-3 per-name init: elements drawn at once
     runtime: int = 0            # bytes the first step adds for good (a compiled optimizer)
     retention: float = 0.0      # the CPU allocator's allowance, a fraction
+    offload_prefetch: int = 1   # offload tiers: units read ahead of the one in use
+    micro_steps: int = 1        # micro-batches per optimizer step (gradient accumulation)
     stage: int = field(default=0, compare=False)  # for messages only; formulas read shards
 
     def __post_init__(self) -> None:
         if self.world < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world}")
-        if self.offloads and not can_offload(self.shards):
-            raise ValueError(OFFLOAD_RULE)
+        why = offload_problem(self.shards, self.offloads, self.disk)
+        if why is not None:
+            raise ValueError(why)
+        if self.offload_prefetch < 0 or self.micro_steps < 1:
+            raise ValueError("offload_prefetch must be >= 0 and micro_steps >= 1")
         if any(n < 0 for n in self.buffer_numels):
             raise ValueError("buffer sizes must be >= 0")
 
     @classmethod
     def for_stage(cls, buffer_numels, world: int, stage: int, bpp: BytesPerParam, *,
-                  offload: bool = False, **fields) -> RunShape:
-        """A shape by stage number (SPEC §6's table), for callers without a strategy."""
+                  offload: bool | str = False, offload_param: str = "none",
+                  **fields) -> RunShape:
+        """A shape by stage number (SPEC §6's table), for callers without a strategy.
+        `offload`: the optimizer's tier (True: cpu), `offload_param` the parameters'."""
         if stage not in STAGE_SHARDS:
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-        return cls(tuple(buffer_numels), world, bpp, STAGE_SHARDS[stage],
-                   OFFLOADED if offload else frozenset(), stage=stage, **fields)
+        opt = offload if isinstance(offload, str) else "cpu" if offload else "none"
+        offloads, disk = declared_offloads(opt, offload_param)
+        return cls(tuple(buffer_numels), world, bpp, STAGE_SHARDS[stage], offloads,
+                   disk, stage=stage, **fields)
 
     @property
     def offload(self) -> bool:
         return bool(self.offloads)
+
+    def tier(self, state: str) -> str:
+        """device, host or disk: where `state` (one of memory.FIELDS) lives between uses."""
+        return tier_of(state, self.offloads, self.disk)

@@ -25,12 +25,54 @@ STAGE_SHARDS: dict[int, frozenset[str]] = {
 }
 #: what Offload moves to the host: the sharded states the optimizer reads and writes
 OFFLOADED = frozenset({"grads", "master", "optimizer"})
+#: where a model state can live: device memory, host memory, files on a disk (NVMe)
+TIERS = ("device", "host", "disk")
 
 
 def can_offload(shards: frozenset[str]) -> bool:
     """Whether a strategy sharding `shards` may offload: the stages of `OFFLOAD_STAGES`
     (config/run.py, where the rule is stated once)."""
     return any(shards == STAGE_SHARDS[s] for s in OFFLOAD_STAGES)
+
+
+def offload_problem(shards: frozenset[str], offloads: frozenset[str],
+                    disk: frozenset[str] = frozenset()) -> str | None:
+    """Why a strategy sharding `shards` cannot keep `offloads` off the device (`disk` of
+    them on disk), or None. Read from the declarations: the optimizer's states need the
+    gradient shard (`can_offload`); parameters, and anything on disk, need the parameter
+    shard (ZeRO-3, where each unit is fetched for its use)."""
+    if offloads & OFFLOADED and not can_offload(shards):
+        return OFFLOAD_RULE
+    if "params" in offloads and "params" not in shards:
+        return "parameters are offloaded only where they are sharded (stage 3)"
+    if disk and "params" not in shards:
+        return "a disk tier needs the parameters sharded (stage 3): each unit is streamed"
+    if not disk <= offloads:
+        return "states on disk must be declared offloaded too"
+    return None
+
+
+def declared_offloads(offload_optimizer: str = "none", offload_param: str = "none"
+                      ) -> tuple[frozenset[str], frozenset[str]]:
+    """(offloads, disk) of the config's tiers (zero.offload_optimizer / offload_param:
+    none, cpu or nvme). The optimizer's tier holds the master and the moments; its
+    gradient shard stays in host memory with nvme (it is written every micro-step and
+    read once by the update, so it is kept where the update runs)."""
+    for name, v in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if v not in ("none", "cpu", "nvme"):
+            raise ValueError(f"{name} must be none, cpu or nvme, got {v!r}")
+    offloads = set(OFFLOADED) if offload_optimizer != "none" else set()
+    disk = {"master", "optimizer"} if offload_optimizer == "nvme" else set()
+    if offload_param != "none":
+        offloads.add("params")
+    if offload_param == "nvme":
+        disk.add("params")
+    return frozenset(offloads), frozenset(disk)
+
+
+def tier_of(state: str, offloads: frozenset[str], disk: frozenset[str]) -> str:
+    """The tier a model state lives in between uses."""
+    return "disk" if state in disk else "host" if state in offloads else "device"
 
 # ----------------------------------------------------------------------------- bytes/param
 
@@ -90,17 +132,25 @@ class MemoryEstimate:
 
     device: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FIELDS, 0))
     host: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FIELDS, 0))
+    disk: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FIELDS, 0))
     gathered: int = 0
     activations: int = 0
     padding_elems: int = 0
+    #: read/write buffers of the offload tiers per memory tier (memory/tiers.py)
+    staging: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
 
     @property
     def device_total(self) -> int:
-        return sum(self.device.values()) + self.gathered + self.activations
+        return (sum(self.device.values()) + self.gathered + self.activations
+                + self.staging["device"])
 
     @property
     def host_total(self) -> int:
-        return sum(self.host.values())
+        return sum(self.host.values()) + self.staging["host"]
+
+    @property
+    def disk_total(self) -> int:
+        return sum(self.disk.values())
 
     @property
     def total(self) -> int:
@@ -125,17 +175,21 @@ def model_state_bytes_from_buffers(
 
 def state_bytes(buffer_numels: Sequence[int], world_size: int, shards: frozenset[str],
                 offloads: frozenset[str], bpp: BytesPerParam, *, largest_unit: int = 0,
-                pad_full: bool = False) -> MemoryEstimate:
+                pad_full: bool = False, disk: frozenset[str] = frozenset()
+                ) -> MemoryEstimate:
     """Per-rank model-state bytes when a strategy that shards `shards` and offloads
-    `offloads` partitions these flat buffers.
+    `offloads` (`disk` of them to disk, the rest to the host) partitions these buffers.
 
     Partitioned states cost ceil(P/N) per buffer; replicated ones cost P (or the padded
-    N·ceil(P/N) with `pad_full`, for engines that keep full buffers padded). Offload moves
-    the grad, master and optimizer shards to the host; if there is no master copy
-    (fp32 / bf16-pure) the CPU optimizer still needs its own param shard, counted as master.
+    N·ceil(P/N) with `pad_full`, for engines that keep full buffers padded). Each state
+    is counted in its tier (`tier_of`). If there is no master copy (fp32 / bf16-pure)
+    and the optimizer lives in another tier than the parameters, it keeps its own copy
+    of the parameter shard there, counted as master; in the same tier the parameter
+    shard is the master.
     """
-    if offloads and not can_offload(shards):
-        raise ValueError(OFFLOAD_RULE)
+    why = offload_problem(shards, offloads, disk)
+    if why is not None:
+        raise ValueError(why)
     if any(n < 0 for n in buffer_numels):
         raise ValueError("buffer sizes must be >= 0")
     n = world_size
@@ -148,11 +202,12 @@ def state_bytes(buffer_numels: Sequence[int], world_size: int, shards: frozenset
     est = MemoryEstimate(padding_elems=padding if shards else 0)
     for f in FIELDS:
         est.device[f] = per[f] * (shard if f in shards else rep)
-    if offloads:
-        if bpp.master == 0:
-            est.device["master"] = bpp.params * shard
-        for f in sorted(offloads):
-            est.host[f], est.device[f] = est.device[f], 0
+    if bpp.master == 0 and tier_of("params", offloads, disk) != tier_of("optimizer", offloads,
+                                                                          disk):
+        est.device["master"] = bpp.params * shard
+    for f in sorted(offloads):
+        where = est.disk if f in disk else est.host
+        where[f], est.device[f] = est.device[f], 0
     if "params" in shards:
         est.gathered = largest_unit * bpp.params
     return est
@@ -205,13 +260,19 @@ def max_params(fits: Callable[[int], bool], hi: int = 1 << 20) -> int | None:
 
 
 # Distributed Muon (zero/muon.py, stages 1–3): each matrix is owned whole by one rank.
-def muon_state_bytes(matrix_numel: int, other_numel: int, world_size: int, stage: int,
-                     owned_numel: int | None = None) -> int:
+def muon_state_bytes(matrix_numel: int, other_numel: int, world_size: int,
+                     stage: int | None = None, owned_numel: int | None = None, *,
+                     sharded: bool | None = None) -> int:
     """Per-rank Muon optimizer state: 4 B per element of the matrices this rank updates
-    (all of them at stage 0; above, those it owns — `owned_numel`, or the mean Ψ_mat/N
-    that ownership balanced by Newton–Schulz cost approaches) plus 8 B per element of the
-    other tensors (replicated at stage 0, 1/N above)."""
-    if stage == 0:
+    (all of them when the optimizer is not sharded, stage 0; when it is, those it owns —
+    `owned_numel`, or the mean Ψ_mat/N that ownership balanced by Newton–Schulz cost
+    approaches) plus 8 B per element of the other tensors (replicated, or 1/N).
+    `sharded` (the strategy's declaration) or, by number, `stage` > 0."""
+    if sharded is None:
+        if stage is None:
+            raise ValueError("give sharded (or a stage number)")
+        sharded = stage != 0
+    if not sharded:
         return 4 * matrix_numel + 8 * other_numel
     owned = shard_numel(matrix_numel, world_size) if owned_numel is None else owned_numel
     return 4 * owned + 8 * shard_numel(other_numel, world_size)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zerotrain.config.run import OFFLOAD_RULE, offload_allowed
-from zerotrain.memory.states import shard_numel
+from zerotrain.memory.shape import RunShape
+from zerotrain.memory.states import BytesPerParam, shard_numel
+from zerotrain.memory.tiers import tier_traffic
 
 # ----------------------------------------------------------------------------- traffic
 
@@ -70,37 +71,58 @@ class Traffic:
         return sum(c.time_s(bandwidth_gbps, latency_us) for c in self.collectives)
 
 
+def collective_traffic(numels: Sequence[int], world: int, shards: frozenset[str], *,
+                       param_bytes: int, grad_bytes: int, algorithm: str = "ring",
+                       muon_matrix_numel: int = 0, update_bytes: int = 4
+                       ) -> list[CollectiveCost]:
+    """SPEC §6 traffic column, from what a strategy shards (`shards`, of memory.FIELDS):
+    nothing sharded (DDP) all-reduces the gradients, 2Ψ; sharding anything reduce-scatters
+    them and all-gathers the parameters — once, after the update, when they are
+    replicated (ZeRO-1/2: 2Ψ), for every forward and every backward when they are sharded
+    (ZeRO-3: 3Ψ); each ×(N−1)/N, in elements. A sharded optimizer running distributed Muon
+    (`muon_matrix_numel`: elements of the matrices owned whole) adds its two all-to-alls."""
+    n = world
+    if not shards:
+        return [collective_cost("all_reduce", list(numels), n, grad_bytes,
+                                algorithm=algorithm, what="grads")]
+    gathers = ["params (fwd)", "params (bwd)"] if "params" in shards else ["params"]
+    colls = [collective_cost("reduce_scatter", list(numels), n, grad_bytes, what="grads")]
+    colls += [collective_cost("all_gather", list(numels), n, param_bytes, what=w)
+              for w in gathers]
+    if muon_matrix_numel and "optimizer" in shards:
+        colls += muon_mean_traffic(muon_matrix_numel, n, grad_bytes=grad_bytes,
+                                   update_bytes=update_bytes)
+    return colls
+
+
+def shape_traffic(shape: RunShape, *, algorithm: str = "ring", muon_matrix_numel: int = 0,
+                  update_bytes: int = 4) -> Traffic:
+    """What one rank sends per step for a run of this shape, and the host↔device copies of
+    its offload tiers (`tier_traffic`): Offload keeps the collectives of its stage and adds
+    a grad shard down and a param shard up; parameters off the device come up for every
+    forward and backward."""
+    colls = collective_traffic(shape.buffer_numels, shape.world, shape.shards,
+                               param_bytes=shape.bpp.params, grad_bytes=shape.bpp.grads,
+                               algorithm=algorithm, muon_matrix_numel=muon_matrix_numel,
+                               update_bytes=update_bytes)
+    tiers = tier_traffic(shape)
+    return Traffic(colls, tiers.device_to_host, tiers.host_to_device)
+
+
 def traffic_per_step(psi: int | Sequence[int], world_size: int, stage: int, *,
                      param_bytes: int, grad_bytes: int, offload: bool = False,
                      algorithm: str = "ring", muon_matrix_numel: int = 0,
                      update_bytes: int = 4) -> Traffic:
-    """SPEC §6 traffic column: DDP 2Ψ, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ (each ×(N−1)/N, in elements).
-
+    """`shape_traffic` by stage number (SPEC §6's table): DDP 2Ψ, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ.
     ZeRO-1 does not all-reduce: reduce-scatter grads, then all-gather the updated params.
-    Offload keeps the collectives of its stage and adds a grad shard down, param shard up.
     `muon_matrix_numel`: elements of the matrices distributed Muon owns whole (stages
     1–3 add its two all-to-alls, `muon_mean_traffic`; stage 0 replicates Muon: nothing).
     """
-    if offload and not offload_allowed(stage):
-        raise ValueError(OFFLOAD_RULE)
-    n = world_size
     sizes = [psi] if isinstance(psi, int) else list(psi)
-    if stage == 0:
-        colls = [collective_cost("all_reduce", sizes, n, grad_bytes, algorithm=algorithm,
-                                 what="grads")]
-    else:
-        gathers = ["params (fwd)", "params (bwd)"] if stage == 3 else ["params"]
-        colls = [collective_cost("reduce_scatter", sizes, n, grad_bytes, what="grads")]
-        colls += [collective_cost("all_gather", sizes, n, param_bytes, what=w) for w in gathers]
-        if muon_matrix_numel:
-            colls += muon_mean_traffic(muon_matrix_numel, n, grad_bytes=grad_bytes,
-                                       update_bytes=update_bytes)
-    t = Traffic(colls)
-    if offload:
-        shard = sum(shard_numel(p, n) for p in sizes)
-        t.device_to_host_bytes = shard * grad_bytes
-        t.host_to_device_bytes = shard * param_bytes
-    return t
+    shape = RunShape.for_stage(sizes, world_size, stage,
+                               BytesPerParam(param_bytes, grad_bytes, 0, 0), offload=offload)
+    return shape_traffic(shape, algorithm=algorithm, muon_matrix_numel=muon_matrix_numel,
+                         update_bytes=update_bytes)
 
 
 # ----------------------------------------------------------------------------- Muon

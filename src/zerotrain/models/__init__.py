@@ -6,9 +6,9 @@ llama family, or any Hugging Face causal LM from `model.hf`); `pretrained_weight
 the weights it starts from, readable slice by slice; `plan_for(model)` returns the plan a
 model family registered in `PLANS`, or `default_plan(model)` for any other `nn.Module`.
 Plain exports carry their model config in the safetensors metadata (`export_metadata`),
-so `load_export(file)` rebuilds the model from the file alone. The sizes the memory
-estimator needs (`count_params`, `unit_numels`, `model_size`) come from the same plan,
-counted on the meta device.
+so `load_export(file)` rebuilds the model from the file alone. `count_params` counts on
+the meta device; the per-unit sizes ZeRO-3's cut makes (`unit_numels`, `model_size`) are
+zero/cut.py's, beside the cut rule itself.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 from zerotrain.config import ModelConfig
 from zerotrain.models import gpt, hf, llama, presets
 from zerotrain.models.hf_export import hf_name
-from zerotrain.models.plan import Group, Plan, default_plan, unit_members
+from zerotrain.models.plan import Group, Plan, default_plan
 from zerotrain.models.presets import PRESETS, resolve_model_config
 from zerotrain.models.weights import SafetensorsIndex, WeightError, Weights, bind
 
@@ -62,23 +62,6 @@ def count_params(model: ModelConfig | nn.Module | Callable[[], nn.Module]) -> in
             return presets.count_params(cfg)
         model = on_meta(lambda: build_model(cfg))
     return sum(p.numel() for p in on_meta(model).parameters())
-
-
-def unit_numels(model_or_factory: nn.Module | Callable[[], nn.Module]) -> dict[str, int]:
-    """Elements per ZeRO-3 unit, by the very rule ZeRO-3 cuts with (`unit_members`).
-
-    ZeRO-3 materialises one unit at a time, so the largest sets the transient memory.
-    """
-    model = on_meta(model_or_factory)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return {name: sum(t[1].numel() for t in ps)
-            for name, ps, _ in unit_members(model, plan_for(model), named)}
-
-
-def model_size(model_cfg: ModelConfig) -> tuple[int, int]:
-    """(parameters, largest ZeRO-3 unit) of the model a config describes."""
-    model = build_model(model_cfg, device="meta")
-    return count_params(model), max(unit_numels(model).values(), default=0)
 
 
 def build_model(model_cfg: ModelConfig, device: torch.device | str | None = None,
@@ -174,6 +157,4 @@ def load_export(path: str | Path, device: torch.device | str | None = None
 
 __all__ = ["EXPORT_FORMAT", "PLANS", "PRESETS", "Group", "Plan", "WeightError", "Weights",
            "build_model", "check_weights", "count_params", "default_plan", "export_metadata",
-           "load_export",
-           "model_size", "on_meta", "plan_for", "pretrained_weights", "resolve_model_config",
-           "unit_numels"]
+           "load_export", "on_meta", "plan_for", "pretrained_weights", "resolve_model_config"]

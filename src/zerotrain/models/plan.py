@@ -119,23 +119,3 @@ def default_plan(model: nn.Module) -> Plan:
     if head is not None:
         edge.append(head)
     return plan_from(model, list(blocks) if blocks is not None else [], edge)
-
-
-def unit_members(model: nn.Module, plan: Plan, named: list[tuple]
-                 ) -> list[tuple[str, list[tuple], nn.Module]]:
-    """ZeRO-3's units: (name, its entries of `named`, the module whose hooks drive it).
-
-    `named` holds (name, parameter, ...) tuples. Blocks claim their parameters first, in
-    order (a weight tied between a block and the rest belongs to the block); whatever is
-    left forms the root unit, driven by the model itself and listed first.
-    """
-    taken: set[int] = set()
-    blocks = []
-    for i, m in enumerate(plan.blocks):
-        ids = {id(p) for p in m.parameters()}
-        mine = [t for t in named if id(t[1]) in ids and id(t[1]) not in taken]
-        taken |= {id(t[1]) for t in mine}
-        if mine:
-            blocks.append((f"block{i}", mine, m))
-    root = [t for t in named if id(t[1]) not in taken]
-    return ([("root", root, model)] if root else []) + blocks

@@ -1,9 +1,11 @@
 """Units, gradients and one Strategy per ZeRO stage, composed from parts chosen once.
 
 `build_strategy` is the one place where other subsystems' facts (the optimizer's rule,
-pretrained weights coming, FP8 gathering) become parts: the stage class (what it shards,
-`STRATEGIES`), a `Partition`, an updater (zero/update.py), where first values come from
-(zero/init.py) and the parameters' wire (zero/wire.py). The strategy never sees a flag.
+pretrained weights coming, FP8 gathering, offload) become parts: the stage class (what it
+shards, `STAGES`), a placement (where gradients, masters and optimizer states live:
+zero/placement.py, `PLACEMENTS`), a `Partition`, an updater (zero/update.py), where first
+values come from (zero/init.py) and the parameters' wire (zero/wire.py). The strategy
+never sees a flag.
 """
 
 from __future__ import annotations
@@ -13,32 +15,43 @@ from torch import nn
 
 from zerotrain.comm.collectives import Comm
 from zerotrain.config import ZeroConfig
+from zerotrain.memory import can_offload
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.base import Strategy
-from zerotrain.zero.build import build_units, make_grads
+from zerotrain.zero.build import build_units
 from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
-from zerotrain.zero.infinity import ParamTier, Streamed, TierGrads, Tiers
+from zerotrain.zero.infinity import NvmeOffload, ParamTier, Streamed, Tiers
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.muon import MatrixOwners
-from zerotrain.zero.offload import ZeRO2Offload, ZeRO3Offload
+from zerotrain.zero.offload import HostOffload
 from zerotrain.zero.partition import Partition
+from zerotrain.zero.placement import Kind, OnDevice, Placement
 from zerotrain.zero.tier import make_tier
 from zerotrain.zero.update import Elementwise, PerParameter, UnitByUnit, Updater
-from zerotrain.zero.wire import Fp8Gather, PlainWire
+from zerotrain.zero.wire import choose_wire
 from zerotrain.zero.zero1 import ZeRO1
 from zerotrain.zero.zero2 import ZeRO2
 from zerotrain.zero.zero3 import ZeRO3
 
-STRATEGIES: dict[tuple[int, bool], type[Strategy]] = {
-    (0, False): DDP, (1, False): ZeRO1, (2, False): ZeRO2, (3, False): ZeRO3,
-    (2, True): ZeRO2Offload, (3, True): ZeRO3Offload,
-}
+STAGES: dict[int, type[Strategy]] = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
+PLACEMENTS: dict[str, type[Placement]] = {"none": OnDevice, "cpu": HostOffload}
 
 
-def strategy_class(cfg: ZeroConfig) -> type[Strategy]:
-    return STRATEGIES[(cfg.stage, cfg.offload_optimizer != "none")]
+#: every kind training builds, by (stage, offloads anything): a catalogue made from the
+#: parts (the estimate's rows), not a class per combination
+STRATEGIES: dict[tuple[int, bool], Kind] = {
+    (stage, bool(p.offloads)): Kind(cls, p) for stage, cls in STAGES.items()
+    for p in PLACEMENTS.values() if not p.offloads or can_offload(cls.shards)}
+
+
+def strategy_class(cfg: ZeroConfig) -> Kind:
+    """The stage class and the placement of `cfg` (`nvme`: ZeRO-Infinity's, which is not
+    in the catalogue: it streams what ZeRO-Offload keeps in host memory)."""
+    placement = NvmeOffload if cfg.offload_optimizer == "nvme" else \
+        PLACEMENTS[cfg.offload_optimizer]
+    return Kind(STAGES[cfg.stage], placement)
 
 
 def make_tiers(cfg: ZeroConfig, device: torch.device, rank: int, elementwise: bool
@@ -62,14 +75,15 @@ def make_tiers(cfg: ZeroConfig, device: torch.device, rank: int, elementwise: bo
     return Tiers(ptier, nvme if cfg.offload_optimizer == "nvme" else None)
 
 
-def choose_updater(cls: type[Strategy], elementwise: bool, device: torch.device
-                   ) -> type[Updater]:
+
+
+def choose_updater(kind: Kind, elementwise: bool, placement: Placement) -> type[Updater]:
     """A non-elementwise rule (Muon) needs whole matrices: owners when the stage shards
     the optimizer, else full-shape tensors; Offload on a GPU steps unit by unit."""
-    sharded = "optimizer" in cls.shards
+    sharded = "optimizer" in kind.shards
     if not elementwise:
         return MatrixOwners if sharded else PerParameter
-    return UnitByUnit if cls.offloads and device.type == "cuda" else Elementwise
+    return UnitByUnit if placement.steps_by_unit else Elementwise
 
 
 def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: Comm,
@@ -79,26 +93,26 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     may run on flat runs (all but Muon); `pretrained`: weights are loaded next (meta
     units are not initialised); `fp8_gather`: ZeRO-3 gathers the plan's FP8 weights in
     one byte per element."""
-    cls = strategy_class(cfg)
+    kind = strategy_class(cfg)
+    cls = kind.stage_class
     tiers = make_tiers(cfg, device, comm.rank, elementwise)  # the config allows them at stage 3
-    wire = PlainWire()
-    if fp8_gather and "params" in cls.shards:
-        wire = Fp8Gather(frozenset(f"{m}.weight" for m in plan.fp8_linears))
+    placement = kind.placement(device)
+    if isinstance(placement, NvmeOffload):
+        assert tiers is not None and tiers.opt is not None
+        placement.tier, placement.depth = tiers.opt, cfg.offload_prefetch
     part = Partition.of(comm)
-    grads = make_grads(cls, policy, device, cfg.in_flight(device.type))
-    if tiers is not None and tiers.opt is not None and device.type == "cpu":
-        grads = TierGrads(policy.grad_dtype, device, grads.host,
-                          **cls.grads_options(policy, cfg.in_flight(device.type)),
-                          tier=tiers.opt, depth=cfg.offload_prefetch)
+    grads = placement.make_grads(cls, policy, cfg.in_flight(device.type))
     units = build_units(cls, model, plan, policy, part, cfg, device,
-                        InitValues(model, plan, skip=pretrained), grads, tiers)
+                        InitValues(model, plan, skip=pretrained), placement, tiers)
     streamed = tiers is not None and tiers.opt is not None
-    updater = Streamed if streamed else choose_updater(cls, elementwise, device)
+    updater = Streamed if streamed else choose_updater(kind, elementwise, placement)
     extra = {"tiers": tiers} if tiers is not None else {}
     return cls(model, plan, policy, part, cfg, device, units, grads, updater=updater,
-               wire=wire, **extra)
+               wire=choose_wire(cls.shards, plan, cfg, fp8_gather=fp8_gather),
+               placement=placement, **extra)
 
 
-__all__ = ["DDP", "STRATEGIES", "Partition", "Strategy", "ZeRO1", "ZeRO2", "ZeRO2Offload",
-           "ZeRO3", "ZeRO3Offload", "build_strategy", "choose_updater", "run_shape",
-           "strategy_class"]
+__all__ = ["DDP", "PLACEMENTS", "STAGES", "STRATEGIES", "HostOffload", "Kind", "NvmeOffload",
+           "OnDevice",
+           "Partition", "Placement", "Strategy", "ZeRO1", "ZeRO2", "ZeRO3", "build_strategy",
+           "choose_updater", "run_shape", "strategy_class"]

@@ -9,10 +9,11 @@ engine only calls:
     -> zero_grad()
 
 A strategy is composed from parts chosen once by `zero.build_strategy`: the `Partition`
-its units are cut across (zero/partition.py), the gradient store (`grads_class`:
-zero/grads.py, offload.HostGrads), the parameters' wire (zero/wire.py), where first
-values come from (zero/init.py) and the updater (zero/update.py: elementwise, unit by
-unit, or Muon's matrix owners). None of them is a flag the strategy branches on.
+its units are cut across (zero/partition.py), the placement (zero/placement.py: on the
+device, or ZeRO-Offload's host memory) which makes the gradient store (`grads_class`,
+zero/grads.py) and the masters, the parameters' wire (zero/wire.py), where first values
+come from (zero/init.py) and the updater (zero/update.py: elementwise, unit by unit, or
+Muon's matrix owners). None of them is a flag the strategy branches on.
 
 Each stage file is a small subclass declaring what it shards (`shards`) and answering
 three questions — how parameters are cut into units (`cut`), what to send when a
@@ -39,6 +40,7 @@ from zerotrain.zero.cut import UnitSpec, buckets
 from zerotrain.zero.flat import NamedParams, Segment
 from zerotrain.zero.grads import FullGrads
 from zerotrain.zero.partition import Partition
+from zerotrain.zero.placement import Kind, OnDevice, Placement
 from zerotrain.zero.state import StrategyState
 from zerotrain.zero.unit import Unit
 from zerotrain.zero.update import Elementwise, Updater
@@ -49,17 +51,20 @@ class Strategy(StrategyState):
     name = "ddp"
     stage = 0
     shards: frozenset[str] = frozenset()    # model states kept 1/N (of memory.FIELDS)
-    offloads: frozenset[str] = frozenset()  # model states kept in host memory
     grads_class: type[FullGrads] = FullGrads
     unit_class: type[Unit] = Unit
 
     def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, part: Partition,
                  cfg: ZeroConfig, device: torch.device, units: list[Unit], grads: FullGrads,
-                 *, updater: type[Updater] = Elementwise, wire: PlainWire | None = None):
+                 *, updater: type[Updater] = Elementwise, wire: PlainWire | None = None,
+                 placement: Placement | None = None):
         """Finished `units` and their gradient store `grads` (zero/build.py makes both),
         and the parts `zero.build_strategy` chose: `updater`, how the optimizer meets the
-        master weights; `wire`, how gathered parameters travel (ZeRO-3)."""
+        master weights; `wire`, how gathered parameters travel (ZeRO-3); `placement`,
+        where gradients, masters and optimizer states live (the one that made `grads`)."""
         assert part.comm is not None, "a strategy talks to its partition's ranks"
+        self.placement = placement or OnDevice(device)
+        self.name = type(self).name + self.placement.suffix  # "zero2-offload"
         self.model, self.plan, self.policy, self.cfg = model, plan, policy, cfg
         self.part, self.comm = part, part.comm
         self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
@@ -86,6 +91,14 @@ class Strategy(StrategyState):
     @property
     def shards_params(self) -> bool:  # ZeRO-3: parameters are 1/N between uses
         return "params" in self.shards
+
+    @property
+    def kind(self) -> Kind:  # what `zero.run_shape` reads: the stage class and placement
+        return Kind(type(self), type(self.placement))
+
+    @property
+    def offloads(self) -> frozenset[str]:  # model states kept off the device (the placement)
+        return self.placement.offloads
 
     @property
     def offload(self) -> bool:  # Offload: master, gradient shard, optimizer states on host
@@ -125,11 +138,11 @@ class Strategy(StrategyState):
 
     def fence_master(self, u: Unit) -> None:
         """Before the host writes `u.master` (or what its publish reads): wait for the
-        last asynchronous publish of `u` to have read it (Offload on a GPU; else nothing)."""
+        last asynchronous publish of `u` to have read it (the placement's fence)."""
+        self.placement.fence(u)
 
     def write_master_into(self, u: Unit, dst: Tensor) -> None:
-        if u.master.data_ptr() != dst.data_ptr():
-            dst.copy_(u.master, non_blocking=True)
+        self.placement.write_master(u, dst)
 
     def param_groups(self, options: dict[int, dict]) -> list[dict]:
         """Optimizer groups over the master views, with each group id's hyper-parameters."""
@@ -224,9 +237,14 @@ class Strategy(StrategyState):
 
     def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
         """Point each optimizer tensor's .grad (of `segments`, default all) at its slice of
-        the owned gradient."""
+        the owned gradient. Before the CPU writes these units' masters, their last
+        publish has read them (the placement's fence; distributed Muon writes matrix
+        slices later, fenced in `MatrixOwners.apply`)."""
+        segments = self.opt_segments if segments is None else segments
+        for i in {seg.unit for seg, _ in segments}:
+            self.fence_master(self.units[i])
         grads = {}
-        for seg, view in self.opt_segments if segments is None else segments:
+        for seg, view in segments:
             u = self.units[seg.unit]
             if u.index not in grads:
                 g = self.owned_grad(u)
@@ -273,5 +291,6 @@ class Strategy(StrategyState):
         yield
 
     def close(self) -> None:
+        self.placement.close()
         self.comm.close()
 

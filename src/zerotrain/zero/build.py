@@ -2,7 +2,7 @@
 gradients → masters, one unit at a time (a meta-built model never exists in full).
 
 `build_units` is the only code that fills units. It reads the stage class's
-declarations (`shards`, `offloads`, `cut`, `grads_class`) and the chosen parts, and
+declarations (`shards`, `cut`, `grads_class`) and the chosen parts (the placement), and
 hands the strategy units that hold their parameters, gradient storage and master
 weights — so no strategy constructor calls a subclass hook before the subclass is
 ready, and ZeRO-3's scratch buffer is a local of this module, not class state.
@@ -22,40 +22,25 @@ from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import align_for, trainable
 from zerotrain.zero.grads import FullGrads
 from zerotrain.zero.init import InitValues
-from zerotrain.zero.offload import host_buffer
 from zerotrain.zero.partition import Partition
+from zerotrain.zero.placement import Placement
 from zerotrain.zero.unit import ShardedUnit, Unit
 
 
-def make_grads(cls: Any, policy: PrecisionPolicy, device: torch.device,
-               in_flight: int) -> FullGrads:
-    """The stage's gradient store, on the host under Offload."""
-    host = torch.device("cpu") if cls.offloads else device
-    return cls.grads_class(policy.grad_dtype, device, host,
-                           **cls.grads_options(policy, in_flight))
-
-
 class Masters:
-    """Where master weights live: beside the parameters, or (Offload) in host memory,
-    pinned at its exact size when it feeds a GPU (its buffers are unregistered with the
-    gradient store's)."""
+    """Where master weights live: the placement's buffers (beside the parameters, or
+    Offload's pinned host memory)."""
 
-    def __init__(self, policy: PrecisionPolicy, offload: bool, grads: FullGrads):
-        self.policy, self.offload, self.grads = policy, offload, grads
-
-    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
-        if not getattr(self.grads, "gpu", False):
-            return torch.zeros(numel, dtype=dtype, device=self.grads.host)
-        t = host_buffer(numel, dtype, True)
-        self.grads.registered.append(t)  # type: ignore[attr-defined]
-        return t
+    def __init__(self, policy: PrecisionPolicy, placement: Placement, separate: bool = False):
+        """`separate`: a master is never the parameters themselves (a tier moves those)."""
+        self.policy, self.placement, self.separate = policy, placement, separate
 
     def master_for(self, own: Tensor) -> Tensor:
         """The optimizer's copy of the weights in `own`: a separate FP32 (or host) tensor
         in mixed precision or Offload; otherwise `own` itself — the parameters are their
         own master (fp32, bf16-pure)."""
-        if self.policy.has_master or self.offload:
-            master = self.zeros(own.numel(), self.policy.master_dtype or own.dtype)
+        if self.policy.has_master or "master" in self.placement.offloads or self.separate:
+            master = self.placement.zeros(own.numel(), self.policy.master_dtype or own.dtype)
             master.copy_(own)
             return master
         return own
@@ -63,9 +48,12 @@ class Masters:
 
 def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
                 part: Partition, cfg: ZeroConfig, device: torch.device, init: InitValues,
-                grads: FullGrads, tiers: Any = None) -> list[Unit]:
-    """Every unit of `cls`'s cut, materialised, with gradient storage and a master; with
+                placement: Placement, tiers: Any = None) -> list[Unit]:
+    """Every unit of `cls`'s cut, materialised, with gradient storage and a master (both
+    where `placement` puts them; its `grads` is the store made by `make_grads`); with
     ZeRO-Infinity's `tiers` (zero/infinity.py), each unit goes to its tiers once built."""
+    grads = placement.grads
+    assert grads is not None, "the placement makes the gradient store first"
     named = trainable(model, plan)
     if not named:
         raise ValueError("the model has no trainable parameters")
@@ -74,7 +62,7 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
     units = [cls.unit_class.build(i, name, ps, part, align, **extra)
              for i, (name, ps, extra) in enumerate(cls.cut(model, plan, named, cfg, policy))]
     moves = tiers is not None and tiers.moves
-    masters = Masters(policy, bool(cls.offloads) or moves, grads)
+    masters = Masters(policy, placement, separate=moves)
     if "params" in cls.shards:
         if moves:
             tiers.reserve(units, cfg.param_persistence_threshold, policy.param_dtype.itemsize,

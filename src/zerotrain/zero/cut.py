@@ -2,26 +2,31 @@
 
 Two rules, each named by the strategy that uses it (`Strategy.cut`): stages 0-2 cut
 size-bounded buckets in reverse registration order (gradient readiness order); ZeRO-3
-cuts the plan's blocks plus a root unit for everything else (`models.plan.unit_members`,
-the plan's own answer to "which block owns which parameter"). The engine's strategy and
+cuts the plan's blocks plus a root unit for everything else (`unit_members`: which block
+owns which parameter, read from the plan's blocks; `unit_numels` / `model_size` count
+that cut on a meta model for the estimator). The engine's strategy and
 `zerotrain estimate` both cut through here, and `run_shape` turns the cut into the
 numbers the memory formulas read (`memory.RunShape`) without a live tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from zerotrain.config import Config, ZeroConfig
+from zerotrain.config import Config, ModelConfig, ZeroConfig
 from zerotrain.memory import (
     COMPILE_RUNTIME_BYTES,
     CPU_RETENTION,
     BytesPerParam,
     RunShape,
+    declared_offloads,
     shard_numel,
 )
-from zerotrain.models.plan import Plan, unit_members
+from zerotrain.models import build_model, count_params, on_meta, plan_for
+from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import resolve_compile, state_bytes_per_param
 from zerotrain.zero.flat import NamedParams, flat_end
@@ -63,6 +68,43 @@ def blocks(model: nn.Module, plan: Plan, named: NamedParams) -> list[UnitSpec]:
     return [(name, ps, {"module": m}) for name, ps, m in unit_members(model, plan, named)]
 
 
+def unit_members(model: nn.Module, plan: Plan, named: list[tuple]
+                 ) -> list[tuple[str, list[tuple], nn.Module]]:
+    """ZeRO-3's units: (name, its entries of `named`, the module whose hooks drive it).
+
+    `named` holds (name, parameter, ...) tuples. Blocks claim their parameters first, in
+    order (a weight tied between a block and the rest belongs to the block); whatever is
+    left forms the root unit, driven by the model itself and listed first.
+    """
+    taken: set[int] = set()
+    blocks = []
+    for i, m in enumerate(plan.blocks):
+        ids = {id(p) for p in m.parameters()}
+        mine = [t for t in named if id(t[1]) in ids and id(t[1]) not in taken]
+        taken |= {id(t[1]) for t in mine}
+        if mine:
+            blocks.append((f"block{i}", mine, m))
+    root = [t for t in named if id(t[1]) not in taken]
+    return ([("root", root, model)] if root else []) + blocks
+
+
+def unit_numels(model_or_factory: nn.Module | Callable[[], nn.Module]) -> dict[str, int]:
+    """Elements per ZeRO-3 unit, by the very rule ZeRO-3 cuts with (`unit_members`).
+
+    ZeRO-3 materialises one unit at a time, so the largest sets the transient memory.
+    """
+    model = on_meta(model_or_factory)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {name: sum(t[1].numel() for t in ps)
+            for name, ps, _ in unit_members(model, plan_for(model), named)}
+
+
+def model_size(model_cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, largest ZeRO-3 unit) of the model a config describes."""
+    model = build_model(model_cfg, device="meta")
+    return count_params(model), max(unit_numels(model).values(), default=0)
+
+
 def align_for(device_type: str, policy: PrecisionPolicy) -> int:
     """GPUs want 16-byte aligned parameters and shards; the CPU packs them end to end."""
     return 16 // policy.param_dtype.itemsize if device_type == "cuda" else 1
@@ -70,7 +112,8 @@ def align_for(device_type: str, policy: PrecisionPolicy) -> int:
 
 def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
               world: int) -> RunShape:
-    """The shape of a run of strategy class `cls` (its declarations and its cut) over
+    """The shape of a run of strategy kind `cls` (`zero.placement.Kind`: its stage's
+    declarations and cut, its placement's `offloads`) over
     `model` (a meta model does: only shapes are read) at `world` ranks."""
     policy = PrecisionPolicy.from_config(cfg.precision)
     named = trainable(model, plan)
@@ -86,8 +129,12 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
                         policy.master_dtype.itemsize if policy.master_dtype else 0, k)
     widest = max(p.numel() for _, p, _ in named)
     cpu = device_type == "cpu"
+    # the tiers the config asks for (zero.offload_param / offload_optimizer, issue 25)
+    offloads, disk = declared_offloads(cfg.zero.offload_optimizer, cfg.zero.offload_param)
     return RunShape(
-        numels, world, bpp, cls.shards, cls.offloads, largest_unit=max(numels),
+        numels, world, bpp, cls.shards, cls.offloads | offloads, disk,
+        offload_prefetch=cfg.zero.offload_prefetch, micro_steps=cfg.data.grad_accum_steps,
+        largest_unit=max(numels),
         widest_param=widest, reduce_bytes=policy.reduce_dtype.itemsize,
         in_flight=cfg.zero.in_flight(device_type), prefetch=cfg.zero.prefetch,
         high_water=cpu, lazy_grads=cpu,

@@ -59,8 +59,7 @@ class FlatUnit:
     index: int
     name: str
     slots: list[ParamSlot]
-    world_size: int
-    rank: int
+    part: Partition  # the ranks this unit is cut across
     numel: int = 0
     padded_numel: int = 0
     shard_numel: int = 0
@@ -71,17 +70,23 @@ class FlatUnit:
         """Lay `named` out across `part`'s ranks. `align`: every parameter and every shard
         starts at a multiple of this many elements (GPUs: 16 bytes, so NCCL, foreach
         kernels and cuBLAS take their vectorised paths); 1 packs parameters end to end."""
-        world_size, rank = part.world, part.rank
         named = sorted(named, key=lambda t: t[2])  # stable: group order, then model order
         slots, off = [], 0
         for pname, p, group in named:
             off = -(-off // align) * align
             slots.append(ParamSlot(pname, p, off, p.numel(), p.shape, group))
             off += p.numel()
-        step = world_size * align
+        step = part.world * align
         padded = -(-off // step) * step if off else step
-        return cls(index, name, slots, world_size, rank, off, padded, padded // world_size,
-                   **extra)
+        return cls(index, name, slots, part, off, padded, padded // part.world, **extra)
+
+    @property
+    def world_size(self) -> int:
+        return self.part.world
+
+    @property
+    def rank(self) -> int:
+        return self.part.rank
 
     @property
     def shard_range(self) -> tuple[int, int]:

@@ -30,8 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import foreach
-from zerotrain.zero.grads import ShardedGrads
+from zerotrain.zero.grads import FullGrads, ShardedGrads
+from zerotrain.zero.offload import HostOffload
 from zerotrain.zero.tier import Placed, Tier
 from zerotrain.zero.update import UnitByUnit, Views
 
@@ -164,8 +166,6 @@ class TierGrads(ShardedGrads):
     those `foreach.sum_of_squares` and `scale_` give on resident shards, bit for bit.
     """
 
-    gpu = False  # a CPU rank's (on a GPU the shards stay in host memory: HostGrads)
-
     def __init__(self, *args, tier: Tier, depth: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.tier, self.depth = tier, max(1, depth)
@@ -197,9 +197,6 @@ class TierGrads(ShardedGrads):
                 self.writing.pop(0).settle()
         return out, finish
 
-    def close(self) -> None:
-        """Nothing outside torch's allocators (the tier is closed by the strategy)."""
-
     def drain(self) -> None:
         super().drain()
         for p in self.writing:
@@ -222,6 +219,31 @@ class TierGrads(ShardedGrads):
         super().clear(units)
         self.norms.clear()
         self.factors.clear()
+
+
+class NvmeOffload(HostOffload):
+    """The placement of `zero.offload_optimizer: nvme` (zero/placement.py): ZeRO-Offload's,
+    with masters and moments — and on a CPU the gradient shards (`TierGrads`) — in the
+    NVMe tier between uses, streamed by the `Streamed` updater. Masters are plain host
+    memory, resizable (a pinned buffer's size is fixed): a GPU's publish copies from
+    pageable memory. `tier` and `depth` are set by `zero.build_strategy`."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.steps_by_unit = True
+        self.tier: Tier = Tier()
+        self.depth = 1
+
+    def make_grads(self, stage: Any, policy: PrecisionPolicy, in_flight: int) -> FullGrads:
+        if self.gpu:  # the shards stay in (pinned) host memory, as with ZeRO-Offload
+            return super().make_grads(stage, policy, in_flight)
+        self.grads = TierGrads(policy.grad_dtype, self.device, self.host,
+                               **stage.grads_options(policy, in_flight), tier=self.tier,
+                               depth=self.depth)
+        return self.grads
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.host)
 
 
 class Streamed(UnitByUnit):

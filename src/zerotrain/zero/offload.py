@@ -1,4 +1,5 @@
-"""ZeRO-Offload — over ZeRO-2 or ZeRO-3: the optimizer's world moves to host memory.
+"""ZeRO-Offload — a placement (zero/placement.py) for ZeRO-2 or ZeRO-3: the optimizer's world
+moves to host memory.
 
 The gradient shard, the FP32 master shard and the optimizer states live in host memory;
 the host CPU runs the update — memory-bound, few flops per byte, a good fit for the CPU —
@@ -24,15 +25,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import weakref
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from zerotrain.zero.flat import Segment
-from zerotrain.zero.grads import ShardedGrads
+from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.zero.grads import FullGrads, ShardedGrads
+from zerotrain.zero.placement import Placement
 from zerotrain.zero.unit import Unit
-from zerotrain.zero.zero2 import ZeRO2
-from zerotrain.zero.zero3 import ZeRO3
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> Tensor:
@@ -90,21 +91,21 @@ def clear_cuda_error() -> None:
 
 
 class HostGrads(ShardedGrads):
-    """ZeRO-2's gradients with the shard in host memory (see the module docstring)."""
+    """ZeRO-2's gradients with the shard in host memory (see the module docstring); its
+    pinned buffers are made and released by the `HostOffload` placement."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, placement: HostOffload, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gpu = self.device.type == "cuda" and self.host.type == "cpu"
+        self.placement = placement
+        self.gpu = placement.gpu
         self.stream = torch.cuda.Stream(self.device) if self.gpu else None
         self.pending: list[tuple[Unit, torch.cuda.Event, bool]] = []
-        self.registered: list[Tensor] = []
 
     def allocate(self, u: Unit) -> None:
         if not self.gpu:  # a CPU rank: the plain (uninitialised) host shard
             super().allocate(u)
             return
-        u.grad = host_buffer(u.shard_numel, self.dtype, True)
-        self.registered.append(u.grad)
+        u.grad = self.placement.pinned(u.shard_numel, self.dtype)
 
     def landing(self, u: Unit):
         if not self.gpu:
@@ -119,8 +120,7 @@ class HostGrads(ShardedGrads):
                 dst = u.grad
             else:
                 if u.staging is None:
-                    u.staging = host_buffer(u.shard_numel, self.dtype, True)
-                    self.registered.append(u.staging)
+                    u.staging = self.placement.pinned(u.shard_numel, self.dtype)
                 dst = u.staging
             assert self.stream is not None
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -141,20 +141,10 @@ class HostGrads(ShardedGrads):
                 u.grad.add_(u.staging)
         self.pending.clear()
 
-    def close(self) -> None:
-        """Unregister the pinned buffers, once every copy into or out of them is done
-        (a publish H2D on the compute stream, a gradient D2H on the side stream)."""
-        if self.gpu and self.registered:
-            torch.cuda.current_stream(self.device).synchronize()
-            assert self.stream is not None
-            self.stream.synchronize()
-        for t in self.registered:
-            release_host_buffer(t)
-        self.registered.clear()
 
-
-class OffloadMixin:
-    """What Offload adds to a stage: host gradients, and an async, fenced publish.
+class HostOffload(Placement):
+    """ZeRO-Offload's placement: gradient shard, masters and optimizer states in host
+    memory (pinned when they feed a GPU), and an async, fenced publish.
 
     On a GPU the optimizer steps unit by unit (`zero.update.UnitByUnit`): each unit's
     host-to-device publish is queued as soon as the CPU has updated it and runs while the
@@ -162,45 +152,59 @@ class OffloadMixin:
     asynchronously, so the next update of that unit first waits for that copy's event.
     """
 
+    suffix = "-offload"
     offloads = frozenset({"grads", "master", "optimizer"})
-    grads_class = HostGrads
 
-    def write_master_into(self, u: Unit, dst: Tensor) -> None:
-        if not self.grads.gpu:
-            super().write_master_into(u, dst)
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.host = torch.device("cpu")
+        self.gpu = device.type == "cuda"
+        self.steps_by_unit = self.gpu
+        self.registered: list[Tensor] = []  # pinned buffers, unregistered at `close`
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
+        t = host_buffer(numel, dtype, True)
+        self.registered.append(t)
+        return t
+
+    def make_grads(self, stage: Any, policy: PrecisionPolicy, in_flight: int) -> FullGrads:
+        if not stage.grads_class.sharded:
+            raise ValueError(f"{stage.name} keeps full gradients; Offload needs them sharded")
+        self.grads = HostGrads(policy.grad_dtype, self.device, self.host, placement=self,
+                               **stage.grads_options(policy, in_flight))
+        return self.grads
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return self.pinned(numel, dtype) if self.gpu else super().zeros(numel, dtype)
+
+    def write_master(self, u: Unit, dst: Tensor) -> None:
+        if not self.gpu:
+            super().write_master(u, dst)
             return
         src = u.master
         if dst.dtype != src.dtype:  # cast on the host: half the bytes cross the bus
             if u.publish_staging is None:
-                u.publish_staging = host_buffer(src.numel(), dst.dtype, True)
-                self.grads.registered.append(u.publish_staging)
-            self.fence_master(u)  # the last publish's copy may still read the staging
+                u.publish_staging = self.pinned(src.numel(), dst.dtype)
+            self.fence(u)  # the last publish's copy may still read the staging
             u.publish_staging.copy_(src)
             src = u.publish_staging
         dst.copy_(src, non_blocking=True)
         u.published = torch.cuda.Event()
         u.published.record(torch.cuda.current_stream(self.device))
 
-    def fence_master(self, u: Unit) -> None:
+    def fence(self, u: Unit) -> None:
         if u.published is not None:
             u.published.synchronize()
             u.published = None
 
-    def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
-        """Before the CPU writes these units' masters: their last publish has read them.
-        (Distributed Muon writes the matrix slices later, fenced in `MatrixOwners.apply`.)"""
-        for i in {seg.unit for seg, _ in (self.opt_segments if segments is None else segments)}:
-            self.fence_master(self.units[i])
-        super().attach_grads(segments)
-
     def close(self) -> None:
-        self.grads.close()
-        super().close()
-
-
-class ZeRO2Offload(OffloadMixin, ZeRO2):
-    name = "zero2-offload"
-
-
-class ZeRO3Offload(OffloadMixin, ZeRO3):
-    name = "zero3-offload"
+        """Unregister the pinned buffers, once every copy into or out of them is done
+        (a publish H2D on the compute stream, a gradient D2H on the side stream)."""
+        if self.gpu and self.registered:
+            torch.cuda.current_stream(self.device).synchronize()
+            stream = getattr(self.grads, "stream", None)
+            if stream is not None:
+                stream.synchronize()
+        for t in self.registered:
+            release_host_buffer(t)
+        self.registered.clear()
