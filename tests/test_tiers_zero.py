@@ -217,18 +217,23 @@ def test_full_disk_mid_run_one_error_and_checkpoint_intact(tmp_path, monkeypatch
 
 
 def test_disk_bytes_per_step(tmp_path):
-    """Per step, each shard is read for forward and for backward and written once after
-    the update; each gradient shard written in backward and read for the update; masters
-    and Adam's two moments read (from the second step: the first one creates the
-    moments) and written once. All fp32: P bytes per copy of the model's shards. With
-    accumulation, each micro-step after the first reads the gradient shards back too."""
+    """Per step and rank, with P the bytes of this rank's fp32 shards: each parameter
+    shard is read for forward and for backward; it is its own master (fp32, one tier),
+    read again for the update with Adam's two moments (from the second step: the first
+    creates them) and written back once with them; each gradient shard is written in
+    backward and read for the update. A separate master (offload_param none) is read and
+    written itself, and the parameter shard is then not on disk."""
     eng = _engine(tiers("nvme", "nvme", str(tmp_path)))
     p = 4 * sum(u.padded_numel for u in eng.strategy.units)
     _train(eng, 0, 1)
-    assert eng.last_tier_bytes == {"nvme": {"read": 2 * p + p + p, "written": p + p + 3 * p}}
+    assert eng.last_tier_bytes == {"nvme": {"read": 2 * p + p + p, "written": p + 2 * p + p}}
     _train(eng, 1, 1)
-    assert eng.last_tier_bytes == {"nvme": {"read": 2 * p + p + 3 * p,
-                                            "written": p + p + 3 * p}}
+    assert eng.last_tier_bytes == {"nvme": {"read": 2 * p + 3 * p + p,
+                                            "written": p + 2 * p + p}}
+    eng.close()
+    eng = _engine(tiers("none", "nvme", str(tmp_path)))
+    _train(eng, 0, 2)
+    assert eng.last_tier_bytes == {"nvme": {"read": 3 * p + p, "written": 3 * p + p}}
     eng.close()
 
 

@@ -31,14 +31,20 @@ class Masters:
     """Where master weights live: the placement's buffers (beside the parameters, or
     Offload's pinned host memory)."""
 
-    def __init__(self, policy: PrecisionPolicy, placement: Placement, separate: bool = False):
-        """`separate`: a master is never the parameters themselves (a tier moves those)."""
-        self.policy, self.placement, self.separate = policy, placement, separate
+    def __init__(self, policy: PrecisionPolicy, placement: Placement, separate: bool = False,
+                 share: bool = False):
+        """`separate`: a master is never the parameters themselves (a tier moves those);
+        `share`: it is, wherever the placement puts masters (ZeRO-Infinity's shared
+        tier, zero/infinity.py `Tiers.shares`)."""
+        self.policy, self.placement = policy, placement
+        self.separate, self.share = separate, share
 
     def master_for(self, own: Tensor) -> Tensor:
         """The optimizer's copy of the weights in `own`: a separate FP32 (or host) tensor
         in mixed precision or Offload; otherwise `own` itself — the parameters are their
         own master (fp32, bf16-pure)."""
+        if self.share:
+            return own
         if self.policy.has_master or "master" in self.placement.offloads or self.separate:
             master = self.placement.zeros(own.numel(), self.policy.master_dtype or own.dtype)
             master.copy_(own)
@@ -62,7 +68,8 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
     units = [cls.unit_class.build(i, name, ps, part, align, **extra)
              for i, (name, ps, extra) in enumerate(cls.cut(model, plan, named, cfg, policy))]
     moves = tiers is not None and tiers.moves
-    masters = Masters(policy, placement, separate=moves)
+    share = moves and tiers.shares(policy.has_master)
+    masters = Masters(policy, placement, separate=moves, share=share)
     if "params" in cls.shards:
         if moves:
             tiers.reserve(units, cfg.param_persistence_threshold, policy.param_dtype.itemsize,

@@ -117,6 +117,14 @@ class Tiers:
         self.params = params or ParamTier(Tier(), 0)
         self.opt = opt
         self.masters: dict[int, Placed] = {}
+        self.share = False  # the shard is the master (set by zero/build.py: `shares`)
+
+    def shares(self, has_master: bool) -> bool:
+        """Whether the parameter shard can be its own master: no separate master in the
+        precision (fp32, bf16-pure) and shards and optimizer in one tier — then the
+        shard is read with the moments and written back once, as the parameters."""
+        self.share = not has_master and self.opt is not None and self.params.tier is self.opt
+        return self.share
 
     @property
     def moves(self) -> bool:
@@ -138,16 +146,22 @@ class Tiers:
             if self.params.moves and u.numel >= threshold:
                 add(self.params.tier, _aligned(u.shard_numel * param_bytes))
             if self.opt is not None:
-                add(self.opt, _aligned(u.shard_numel * master_bytes) * (1 + STATE_PER_MASTER))
+                masters = STATE_PER_MASTER + (0 if self.share else 1)
+                add(self.opt, _aligned(u.shard_numel * master_bytes) * masters)
         for tier, n in need.values():
             tier.require(n)
 
     def place(self, u: Any) -> None:
         self.params.place(u)
-        if self.opt is not None:
-            p = self.masters[u.index] = Placed(self.opt, f"unit{u.index}.master", u.master)
-            p.evict()
-            p.settle()
+        if self.opt is None:
+            return
+        if u.master is u.shard:  # shared: one placed tensor (a persistent unit's stays)
+            if u.index in self.params.placed:
+                self.masters[u.index] = self.params.placed[u.index]
+            return
+        p = self.masters[u.index] = Placed(self.opt, f"unit{u.index}.master", u.master)
+        p.evict()
+        p.settle()
 
 
 def _aligned(n: int) -> int:
@@ -276,8 +290,8 @@ class Streamed(UnitByUnit):
 
     # ------------------------------------------------------------ residency
     def _placed(self, u: Any) -> list[Placed]:
-        return [self.masters[u.index]] + [p for (i, _, _), p in self.states.items()
-                                          if i == u.index]
+        own = [self.masters[u.index]] if u.index in self.masters else []
+        return own + [p for (i, _, _), p in self.states.items() if i == u.index]
 
     def _grad(self, u: Any) -> Placed | None:
         g = self.s.grads
