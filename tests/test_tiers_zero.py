@@ -252,3 +252,31 @@ def test_prefetch_depth_changes_no_value(tmp_path):
     for k, v in _params(ref).items():
         assert torch.equal(out[0][k], v) and torch.equal(out[1][k], v), k
     ref.close()
+
+
+@pytest.mark.parametrize(("param", "opt"), [("nvme", "none"), ("none", "nvme"),
+                                            ("nvme", "nvme")])
+def test_disk_bytes_are_the_estimators(tmp_path, param, opt):
+    """The engine's NVMe counters against `memory.tier_traffic` of the run's shape (the
+    numbers `zerotrain estimate` shows), with two micro-steps. On a CPU the gradient
+    shards of an optimizer on disk are on the disk too: the estimator counts them into
+    host memory, so they are the one term added here (written every micro-step, read
+    back by each later micro-step to accumulate and by the update: A times each way)."""
+    from zerotrain.memory import tier_traffic
+    from zerotrain.zero import run_shape
+
+    eng = _engine({**tiers(param, opt, str(tmp_path)), "data": {"grad_accum_steps": 2}})
+    shape = run_shape(eng.strategy.kind, eng.config, eng.module, eng.plan, "cpu", 1)
+    want = tier_traffic(shape).per_tier()["disk"]
+    if opt == "nvme":
+        g = 4 * sum(u.padded_numel for u in eng.strategy.units)
+        want = {"read": want["read"] + 2 * g, "written": want["written"] + 2 * g}
+    b = eng.config.data.micro_batch_size
+    for i, (X, Y) in enumerate(batches(2)):  # the second step: the moments exist
+        for m in range(2):
+            x, y = local_batch(X, Y, 0, 1, b, m)
+            eng.backward(eng(x, y))
+            eng.step()
+        if i == 1:
+            assert eng.last_tier_bytes == {"nvme": want}
+    eng.close()
