@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from zerotrain.zero.offload import host_buffer, release_host_buffer
 from zerotrain.zero.tier_io import (
     BlockIO,
     IOCounter,
@@ -101,8 +102,8 @@ class HostTier(Tier):
 
     def region(self, key: str, numel: int, dtype: torch.dtype) -> Region:
         r = Region(key, numel, dtype)
-        if self.moves:
-            r.host = torch.empty(numel, dtype=dtype, pin_memory=True)
+        if self.moves:  # pinned at its exact size (torch's pinned allocator rounds up)
+            r.host = host_buffer(numel, dtype, True)
             self.pinned.append(r.host)
         return r
 
@@ -131,7 +132,10 @@ class HostTier(Tier):
 
     def close(self) -> None:
         if self.stream is not None:
+            torch.cuda.current_stream(self.device).synchronize()
             self.stream.synchronize()
+        for t in self.pinned:
+            release_host_buffer(t)
         self.pinned.clear()
 
 
