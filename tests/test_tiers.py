@@ -8,6 +8,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -172,24 +173,28 @@ def test_io_error_on_read(tmp_path, monkeypatch):
 
 
 def test_handles_time_and_overlap(tmp_path, monkeypatch):
-    """Two regions on three threads move at once; a handle's interval covers its blocks."""
-    slow = os.pwrite
+    """Two regions on three threads are in flight at once; a handle ends when its last
+    block lands (the blocks are held at a gate the test opens)."""
+    gate = threading.Event()
+    real = os.pwrite
 
-    def slowly(fd, data, offset):
-        time.sleep(0.02)
-        return slow(fd, data, offset)
+    def gated(fd, data, offset):
+        assert gate.wait(30)
+        return real(fd, data, offset)
 
-    monkeypatch.setattr(tier_io, "pwrite", slowly)
+    monkeypatch.setattr(tier_io, "pwrite", gated)
     t = nvme(tmp_path, direct=False)
     a, b = t.region("a", 1024, torch.float32), t.region("b", 1024, torch.float32)
     ha = t.store(a, torch.ones(1024))
     hb = t.store(b, torch.ones(1024))
-    assert not ha.done() and ha.end is None
+    assert not ha.done() and ha.end is None and not hb.done()
+    opened = time.perf_counter()
+    gate.set()
     ha.wait()
     hb.wait()
     assert ha.end is not None and hb.end is not None
-    assert ha.end - ha.start >= 0.02
-    assert hb.start < ha.end  # b started before a finished
+    assert ha.start < hb.start < opened < min(ha.end, hb.end)  # both in flight together
+    assert t.counter.take() == {"read": 0, "written": 2 * 4096}
     t.close()
 
 

@@ -149,12 +149,13 @@ def test_resume_across_tiers(tmp_path):
 
 # ----------------------------------------------------------------------------- timeline
 def test_fetch_of_next_unit_overlaps_compute(tmp_path, monkeypatch):
-    """Each read is slowed to 30 ms; the read of unit k+1 starts before unit k's compute
-    ends and is still running while unit k computes: the I/O is under the compute."""
+    """Each read is slowed to 50 ms; the read of unit k+1 starts before unit k's
+    compute ends and is still running while unit k computes: the I/O is under the
+    compute."""
     slow = os.preadv
 
     def preadv(fd, bufs, offset):
-        time.sleep(0.03)
+        time.sleep(0.05)
         return slow(fd, bufs, offset)
 
     monkeypatch.setattr(tier_io.os, "preadv", preadv)
