@@ -17,6 +17,13 @@ then up or down to the boundary: the largest size that trained next to the small
 did not. The systems the targets compare also run at --compare-at (340M), where step
 time and init peak are compared like for like.
 
+ZeRO-Infinity rows (issue 25): `zt-3-nvme` (parameter shards, gradients, masters and
+moments in files under --nvme-path; about 16 bytes per parameter of disk for both ranks
+in fp32) and `zt-3-pcpu` (offload_param cpu: on a CPU-only machine host and device are
+one memory, so it matches zt-3), each with its NVMe bytes per step, e.g.
+    python bench/capacity.py --cap 4 --systems zt-3,zt-3-nvme,zt-3-pcpu \
+        --sizes 340M,400M,1.4B,2B,2.4B --compare-at '' --steps 2 --nvme-path /tmp/zt-nvme
+
 Writes bench/results/<name>.md and .json and docs/capacity.png (max trainable parameters
 per system); prints zerotrain's predicted vs measured peaks (`zerotrain estimate`) for
 every zerotrain run. Only one capacity run at a time (a lock in /tmp): the machine is
