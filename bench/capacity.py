@@ -17,6 +17,13 @@ then up or down to the boundary: the largest size that trained next to the small
 did not. The systems the targets compare also run at --compare-at (340M), where step
 time and init peak are compared like for like.
 
+ZeRO-Infinity rows (issue 25): `zt-3-nvme` (parameter shards, gradients, masters and
+moments in files under --nvme-path; about 16 bytes per parameter of disk for both ranks
+in fp32) and `zt-3-pcpu` (offload_param cpu: on a CPU-only machine host and device are
+one memory, so it matches zt-3), each with its NVMe bytes per step, e.g.
+    python bench/capacity.py --cap 4 --systems zt-3,zt-3-nvme,zt-3-pcpu \
+        --sizes 340M,400M,1.4B,2B,2.4B --compare-at '' --steps 2 --nvme-path /tmp/zt-nvme
+
 Writes bench/results/<name>.md and .json and docs/capacity.png (max trainable parameters
 per system); prints zerotrain's predicted vs measured peaks (`zerotrain estimate`) for
 every zerotrain run. Only one capacity run at a time (a lock in /tmp): the machine is
@@ -48,7 +55,8 @@ FAMILY: dict[str, tuple[int, int, int]] = {
     "100M": (8, 1024, 8), "200M": (16, 1024, 8), "340M": (12, 1536, 12),
     "400M": (8, 2048, 16), "500M": (10, 2048, 16), "650M": (13, 2048, 16),
     "806M": (16, 2048, 16), "900M": (18, 2048, 16), "1B": (20, 2048, 16),
-    "1.2B": (24, 2048, 16),
+    "1.2B": (24, 2048, 16), "1.4B": (28, 2048, 16), "1.6B": (32, 2048, 16),
+    "2B": (40, 2048, 16), "2.4B": (48, 2048, 16),
 }
 #: --smoke: a small family and cap that exercise the whole machinery in ~5 minutes
 SMOKE_FAMILY: dict[str, tuple[int, int, int]] = {
@@ -62,6 +70,14 @@ SYSTEMS: dict[str, str] = {
     "zt-2-off": "zt-2-off-auto", "zt-3-off": "zt-3-off-auto", "ddp": "ddp",
     "fsdp2": "fsdp2", "fsdp2-reshard": "fsdp2-reshard", "fsdp2-offload": "fsdp2-offload",
     "ds-2": "ds-2", "ds-3": "ds-3", "fsdp2-reshard-meta": "fsdp2-reshard-meta",
+    "zt-3-nvme": "zt-3-nvme", "zt-3-pcpu": "zt-3-pcpu",
+}
+#: ZeRO-Infinity rows (zerotrain's ZeRO-3 engine with tiers, zero/infinity.py): their
+#: config over zt-3's; `NVME` is replaced by --nvme-path
+ZT_TIERS: dict[str, dict[str, Any]] = {
+    "zt-3-nvme": {"zero": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
+                           "nvme_path": "NVME"}},
+    "zt-3-pcpu": {"zero": {"stage": 3, "offload_param": "cpu"}},
 }
 EXTRA = ["fsdp2-reshard-meta"]  # run at --compare-at only, for the init comparison
 SEARCHED = [s for s in SYSTEMS if s not in EXTRA]
@@ -73,7 +89,7 @@ COMPARED = ["zt-3", "fsdp2-reshard", "fsdp2-reshard-meta", "zt-2", "fsdp2", "zt-
 #: peers from issue 13's table), rounded up.
 PRIOR_BYTES = {"zt-0": 18, "zt-1": 14, "zt-2": 13, "zt-3": 11, "zt-2-off": 15,
                "zt-3-off": 14, "ddp": 21, "fsdp2": 13, "fsdp2-reshard": 12,
-               "fsdp2-offload": 12, "ds-2": 22, "ds-3": 28}
+               "fsdp2-offload": 12, "ds-2": 22, "ds-3": 28, "zt-3-nvme": 3, "zt-3-pcpu": 13}
 LOCK = Path("/tmp/zerotrain-capacity.lock")
 
 
@@ -109,7 +125,7 @@ class Runner:
         if done is not None:
             return done
         a = self.a
-        extra = ["--zt-config", a.zt_config] if a.zt_config else []
+        extra = zt_config(a, system)
         for _attempt in range(3):  # a machine short of memory says nothing about the system
             r = run_once(SYSTEMS[system], model_of(size), cap=a.cap_bytes,
                          out=self.logs / f"{system}.{size}.json", steps=a.steps,
@@ -125,6 +141,18 @@ class Runner:
         print(f"[{len(self.runs):2d}, {spent:5.1f} min] {describe_run(r)}", flush=True)
         self.progress.write_text(json.dumps({"runs": self.runs}, indent=1))
         return r
+
+
+def zt_config(a: argparse.Namespace, system: str) -> list[str]:
+    """The worker's --zt-config: --zt-config, and a tier row's own config over it."""
+    from zerotrain.config import deep_merge
+
+    cfg = json.loads(a.zt_config) if a.zt_config else {}
+    if system in ZT_TIERS:
+        tiers = json.loads(json.dumps(ZT_TIERS[system]).replace('"NVME"',
+                                                                json.dumps(a.nvme_path)))
+        cfg = deep_merge(cfg, tiers)
+    return ["--zt-config", json.dumps(cfg)] if cfg else []
 
 
 def first_probe(system: str, runner: Runner, sizes: list[str]) -> int:
@@ -183,6 +211,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="size where the targets' pairs run side by side ('' to skip)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (3)")
     p.add_argument("--zt-config", default="", help="JSON merged into zerotrain's config")
+    p.add_argument("--nvme-path", default="/tmp/zerotrain-capacity-nvme",
+                   help="zero.nvme_path of the zt-3-nvme row (a local disk with room: about "
+                   "16 bytes per parameter for both ranks)")
     p.add_argument("--cgroup", default="off",
                    help="off | auto (children of this process's own memory cgroup) | PATH "
                    "(a memory cgroup directory to create per-rank children in)")

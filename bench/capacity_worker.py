@@ -35,7 +35,10 @@ from zerotrain.config import ModelConfig
 from zerotrain.memory import activation_bytes, proc_status, reset_peak_rss
 from zerotrain.models import build_model
 
-EXTRA = {"fsdp2-reshard-meta": "fsdp2-reshard"}  # capacity-only system -> peers job it adapts
+#: capacity-only system -> the peers job it adapts (the tier rows: zt-3 with the tiers'
+#: config, which bench/capacity.py passes in --zt-config)
+EXTRA = {"fsdp2-reshard-meta": "fsdp2-reshard", "zt-3-nvme": "zt-3-auto",
+         "zt-3-pcpu": "zt-3-auto"}
 
 
 class Phase:
@@ -97,7 +100,8 @@ def build(a: argparse.Namespace, phase: Phase) -> tuple[Any, dict[str, Any]]:
     torch.manual_seed(a.seed)  # same initial weights in every system, on every rank
     model = build_model(cfg, device="meta" if meta else None)
     ns = peers_namespace(a, EXTRA.get(a.system, a.system))
-    job = fsdp2_meta_job(ns, model) if a.system in EXTRA else build_job(ns, model)
+    meta_job = a.system == "fsdp2-reshard-meta"
+    job = fsdp2_meta_job(ns, model) if meta_job else build_job(ns, model)
     info: dict[str, Any] = {"base_rss": base, "init_peak": hwm(), "after_init_rss":
                             proc_status()["VmRSS"]}
     if a.system.startswith("zt-"):  # the engine measured its own init phase from its start
@@ -105,13 +109,15 @@ def build(a: argparse.Namespace, phase: Phase) -> tuple[Any, dict[str, Any]]:
     return job, info
 
 
-def train(a: argparse.Namespace, job: Any, phase: Phase) -> tuple[list[float], list[float]]:
+def train(a: argparse.Namespace, job: Any, phase: Phase
+          ) -> tuple[list[float], list[float], list[dict]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(a.seed)
     T = json.loads(a.model).get("block_size", 128)
     data = torch.randint(0, 256, (a.steps, world * a.micro_batch, T + 1), generator=g)
     lo, hi = rank * a.micro_batch, (rank + 1) * a.micro_batch
-    times, losses = [], []
+    times, losses, tiers = [], [], []
+    eng = getattr(job, "engine", None)
     for i in range(a.steps):
         phase(f"step {i + 1}")
         x, y = data[i, lo:hi, :-1], data[i, lo:hi, 1:]
@@ -119,7 +125,9 @@ def train(a: argparse.Namespace, job: Any, phase: Phase) -> tuple[list[float], l
         loss = job.train_step(x, y)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    return times, losses
+        # ZeRO-Infinity: each tier's bytes read and written in this step
+        tiers.append(dict(getattr(eng, "last_tier_bytes", {}) or {}))
+    return times, losses, tiers
 
 
 def zerotrain_memory(a: argparse.Namespace, job: Any) -> dict[str, Any]:
@@ -139,9 +147,9 @@ def run(a: argparse.Namespace, phase: Phase) -> dict[str, Any]:
     world = dist.get_world_size()
     torch.set_num_threads(1)
     job, info = build(a, phase)
-    times, losses = train(a, job, phase)
+    times, losses, tiers = train(a, job, phase)
     phase("report")
-    mine = {**info, "final_hwm": hwm(), "times": times}
+    mine = {**info, "final_hwm": hwm(), "times": times, "tier_bytes": tiers}
     if a.system.startswith("zt-"):
         mine["zerotrain"] = zerotrain_memory(a, job)
     # The overall peak: the engine resets the high-water mark per phase, so take the

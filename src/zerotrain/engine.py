@@ -109,6 +109,8 @@ class Engine(DeepSpeedAPI):
         self.phases.end("init")
         self.last_traffic: dict = {}
         self.last_traffic_bytes = (0, 0)
+        # ZeRO-Infinity: bytes each offload tier read and wrote in the last step
+        self.last_tier_bytes: dict[str, dict[str, int]] = {}
         # step -> lr replacing the schedule (lr-find's ramp); None: the configured schedule
         self.lr_override: Callable[[int], float] | None = None
 
@@ -241,6 +243,8 @@ class Engine(DeepSpeedAPI):
         self.last_traffic = self.comm.counter.snapshot()
         self.last_traffic_bytes = self.comm.counter.total()
         self.comm.counter.reset()
+        tier_bytes = getattr(self.strategy, "tier_bytes", None)  # stage 3 with a tier
+        self.last_tier_bytes = tier_bytes() if tier_bytes is not None else {}
         skipped_total = self.scaler.skipped + (self.spike_guard.skipped if self.spike_guard
                                                else 0)
         self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite or bool(spike),

@@ -22,11 +22,13 @@ from zerotrain.zero.base import Strategy
 from zerotrain.zero.build import build_units
 from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
+from zerotrain.zero.infinity import NvmeOffload, ParamTier, Streamed, Tiers
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.muon import MatrixOwners
 from zerotrain.zero.offload import HostOffload
 from zerotrain.zero.partition import Partition
 from zerotrain.zero.placement import Kind, OnDevice, Placement
+from zerotrain.zero.tier import make_tier
 from zerotrain.zero.update import Elementwise, PerParameter, UnitByUnit, Updater
 from zerotrain.zero.wire import choose_wire
 from zerotrain.zero.zero1 import ZeRO1
@@ -45,9 +47,34 @@ STRATEGIES: dict[tuple[int, bool], Kind] = {
 
 
 def strategy_class(cfg: ZeroConfig) -> Kind:
-    if cfg.offload_param != "none" or cfg.offload_optimizer == "nvme":  # issue 25, in progress
-        raise NotImplementedError("zero.offload_param and nvme tiers are not built yet")
-    return Kind(STAGES[cfg.stage], PLACEMENTS[cfg.offload_optimizer])
+    """The stage class and the placement of `cfg` (`nvme`: ZeRO-Infinity's, which is not
+    in the catalogue: it streams what ZeRO-Offload keeps in host memory)."""
+    placement = NvmeOffload if cfg.offload_optimizer == "nvme" else \
+        PLACEMENTS[cfg.offload_optimizer]
+    return Kind(STAGES[cfg.stage], placement)
+
+
+def make_tiers(cfg: ZeroConfig, device: torch.device, rank: int, elementwise: bool
+               ) -> Tiers | None:
+    """ZeRO-Infinity's parts (zero/infinity.py): where parameter shards live between uses
+    and where the optimizer's states are streamed from; one NVMe tier serves both."""
+    if cfg.offload_param == "none" and cfg.offload_optimizer != "nvme":
+        return None
+    if cfg.offload_optimizer == "nvme" and not elementwise:
+        raise ValueError("zero.offload_optimizer nvme streams elementwise optimizer states "
+                         "unit by unit; Muon updates whole matrices: use offload_optimizer "
+                         "cpu or none with Muon")
+    nvme = None
+    if "nvme" in (cfg.offload_param, cfg.offload_optimizer):
+        nvme = make_tier("nvme", device, path=cfg.nvme_path, threads=cfg.nvme_threads,
+                         block_mb=cfg.nvme_block_mb, direct=cfg.nvme_direct, rank=rank)
+    ptier = None
+    if cfg.offload_param != "none":
+        ptier = ParamTier(nvme if cfg.offload_param == "nvme" else make_tier("cpu", device),
+                          cfg.offload_prefetch)
+    return Tiers(ptier, nvme if cfg.offload_optimizer == "nvme" else None)
+
+
 
 
 def choose_updater(kind: Kind, elementwise: bool, placement: Placement) -> type[Updater]:
@@ -68,17 +95,24 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     one byte per element."""
     kind = strategy_class(cfg)
     cls = kind.stage_class
+    tiers = make_tiers(cfg, device, comm.rank, elementwise)  # the config allows them at stage 3
     placement = kind.placement(device)
+    if isinstance(placement, NvmeOffload):
+        assert tiers is not None and tiers.opt is not None
+        placement.tier, placement.depth = tiers.opt, cfg.offload_prefetch
     part = Partition.of(comm)
     grads = placement.make_grads(cls, policy, cfg.in_flight(device.type))
     units = build_units(cls, model, plan, policy, part, cfg, device,
-                        InitValues(model, plan, skip=pretrained), placement)
-    return cls(model, plan, policy, part, cfg, device, units, grads,
-               updater=choose_updater(kind, elementwise, placement),
+                        InitValues(model, plan, skip=pretrained), placement, tiers)
+    streamed = tiers is not None and tiers.opt is not None
+    updater = Streamed if streamed else choose_updater(kind, elementwise, placement)
+    extra = {"tiers": tiers} if tiers is not None else {}
+    return cls(model, plan, policy, part, cfg, device, units, grads, updater=updater,
                wire=choose_wire(cls.shards, plan, cfg, fp8_gather=fp8_gather),
-               placement=placement)
+               placement=placement, **extra)
 
 
-__all__ = ["DDP", "PLACEMENTS", "STAGES", "STRATEGIES", "HostOffload", "Kind", "OnDevice",
+__all__ = ["DDP", "PLACEMENTS", "STAGES", "STRATEGIES", "HostOffload", "Kind", "NvmeOffload",
+           "OnDevice",
            "Partition", "Placement", "Strategy", "ZeRO1", "ZeRO2", "ZeRO3", "build_strategy",
            "choose_updater", "run_shape", "strategy_class"]

@@ -31,14 +31,21 @@ class Masters:
     """Where master weights live: the placement's buffers (beside the parameters, or
     Offload's pinned host memory)."""
 
-    def __init__(self, policy: PrecisionPolicy, placement: Placement):
+    def __init__(self, policy: PrecisionPolicy, placement: Placement, separate: bool = False,
+                 share: bool = False):
+        """`separate`: a master is never the parameters themselves (a tier moves those);
+        `share`: it is, wherever the placement puts masters (ZeRO-Infinity's shared
+        tier, zero/infinity.py `Tiers.shares`)."""
         self.policy, self.placement = policy, placement
+        self.separate, self.share = separate, share
 
     def master_for(self, own: Tensor) -> Tensor:
         """The optimizer's copy of the weights in `own`: a separate FP32 (or host) tensor
         in mixed precision or Offload; otherwise `own` itself — the parameters are their
         own master (fp32, bf16-pure)."""
-        if self.policy.has_master or "master" in self.placement.offloads:
+        if self.share:
+            return own
+        if self.policy.has_master or "master" in self.placement.offloads or self.separate:
             master = self.placement.zeros(own.numel(), self.policy.master_dtype or own.dtype)
             master.copy_(own)
             return master
@@ -47,9 +54,10 @@ class Masters:
 
 def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
                 part: Partition, cfg: ZeroConfig, device: torch.device, init: InitValues,
-                placement: Placement) -> list[Unit]:
+                placement: Placement, tiers: Any = None) -> list[Unit]:
     """Every unit of `cls`'s cut, materialised, with gradient storage and a master (both
-    where `placement` puts them; its `grads` is the store made by `make_grads`)."""
+    where `placement` puts them; its `grads` is the store made by `make_grads`); with
+    ZeRO-Infinity's `tiers` (zero/infinity.py), each unit goes to its tiers once built."""
     grads = placement.grads
     assert grads is not None, "the placement makes the gradient store first"
     named = trainable(model, plan)
@@ -59,9 +67,15 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
     align = align_for(device.type, policy)
     units = [cls.unit_class.build(i, name, ps, part, align, **extra)
              for i, (name, ps, extra) in enumerate(cls.cut(model, plan, named, cfg, policy))]
-    masters = Masters(policy, placement)
+    moves = tiers is not None and tiers.moves
+    share = moves and tiers.shares(policy.has_master)
+    masters = Masters(policy, placement, separate=moves, share=share)
     if "params" in cls.shards:
-        _sharded(units, policy, device, init, grads, masters, cfg.param_persistence_threshold)
+        if moves:
+            tiers.reserve(units, cfg.param_persistence_threshold, policy.param_dtype.itemsize,
+                          (policy.master_dtype or policy.param_dtype).itemsize)
+        _sharded(units, policy, device, init, grads, masters, cfg.param_persistence_threshold,
+                 tiers.place if moves else None)
         return units
     for u in units:
         u.materialize(policy.param_dtype, device, init.fill)
@@ -72,9 +86,10 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
 
 
 def _sharded(units: Sequence[ShardedUnit], policy: PrecisionPolicy, device: torch.device,
-             init: InitValues, grads: FullGrads, masters: Masters, threshold: int) -> None:
+             init: InitValues, grads: FullGrads, masters: Masters, threshold: int,
+             place: Callable[[ShardedUnit], None] | None = None) -> None:
     """ZeRO-3: each unit keeps this rank's shard; units under `threshold` elements stay
-    gathered (persistent)."""
+    gathered (persistent); `place(unit)` sends a finished unit to its tiers."""
     scratch: Tensor | None = None  # where each parameter is drawn whole (per-name init)
     for u in units:
         lo, hi = u.shard_range
@@ -91,6 +106,8 @@ def _sharded(units: Sequence[ShardedUnit], policy: PrecisionPolicy, device: torc
         grads.allocate(u)
         u.master = masters.master_for(u.shard)
         u.reshard()
+        if place is not None:
+            place(u)
 
 
 def _by_parameter(u: ShardedUnit, init: InitValues) -> bool:

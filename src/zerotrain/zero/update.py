@@ -63,6 +63,10 @@ class Updater:
         """One line for the run's start, or None when there is nothing to say."""
         return None
 
+    def resident(self) -> None:
+        """Bring what the optimizer keeps in a tier back to memory (before a checkpoint
+        reads or writes it; `zero.infinity.Streamed`). Here: it is in memory already."""
+
     def summary(self) -> dict[str, Any] | None:
         return None
 

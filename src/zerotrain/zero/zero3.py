@@ -17,6 +17,12 @@ first). Until the record is complete (the first forward) the plan's order is the
 
 Units smaller than `zero.param_persistence_threshold` elements stay gathered (their
 traffic would be all latency); they are all-gathered after each update, as in ZeRO-2.
+
+With `zero.offload_param` (ZeRO-Infinity) each unit's shard lives in a tier between uses
+(`param_tier`, zero/infinity.py): made ready before the unit's gather, released after
+it, fetched `zero.offload_prefetch` units ahead so the read runs while units compute
+(the gather then waits for nothing but its own collective: no gather prefetch), and
+written back after the update.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams
+from zerotrain.zero.infinity import Tiers
+from zerotrain.zero.tier import Tier
 from zerotrain.zero.unit import ShardedUnit
 from zerotrain.zero.zero2 import ZeRO2
 
@@ -51,7 +59,11 @@ class ZeRO3(ZeRO2):
     unit_class = ShardedUnit
     units: list[ShardedUnit]
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tiers: Tiers | None = None, **kwargs):
+        """`tiers` (zero/infinity.py): where shards live between uses (default: here, on
+        the device) and where the `Streamed` updater keeps masters and moments."""
+        self.tiers = tiers or Tiers(None, None)
+        self.param_tier = self.tiers.params
         super().__init__(*args, **kwargs)
         self._root = next((u for u in self.units if u.module is self.model), None)
         self._blocks = [u for u in self.units if u is not self._root]  # the plan's order
@@ -65,6 +77,7 @@ class ZeRO3(ZeRO2):
             u.module.register_forward_hook(partial(self._post_forward, u))
         self.wire.attach(self.units, self.policy.param_dtype.itemsize)
         self.after_publish()  # the wire packs the first gathers' bytes
+        self.tier_bytes()  # the first writes are the build's, not a step's
 
     @classmethod
     def cut(cls, model: nn.Module, plan: Plan, named: NamedParams, cfg: ZeroConfig,
@@ -73,8 +86,25 @@ class ZeRO3(ZeRO2):
         return blocks(model, plan, named)
 
     def prefetch(self, u: ShardedUnit | None) -> None:
-        if u is not None and self.cfg.prefetch:
+        if u is not None and self.cfg.prefetch and not self.param_tier.moves:
             u.unshard(self.comm, async_op=True)
+
+    def gather(self, u: ShardedUnit, forward: bool) -> None:
+        """Gather `u` now (its shard made ready from the tier first, released after),
+        then start what comes next: the tier's reads `offload_prefetch` units ahead,
+        else the next unit's gather."""
+        self.param_tier.ready(u)
+        u.unshard(self.comm, async_op=False)
+        u.wait_unshard()
+        self.param_tier.release(u)
+        nxt = self._neighbour(u, forward)
+        ahead = nxt
+        for _ in range(self.param_tier.depth):
+            if ahead is None:
+                break
+            self.param_tier.fetch(ahead)
+            ahead = self._neighbour(ahead, forward)
+        self.prefetch(nxt)
 
     def _neighbour(self, u: ShardedUnit, forward: bool) -> ShardedUnit | None:
         """The unit that runs after `u`: recorded from the first forward, else the plan's
@@ -104,9 +134,7 @@ class ZeRO3(ZeRO2):
         if in_backward():  # activation-checkpoint recompute: gathered for backward already
             return
         self._record(self._started, u)
-        u.unshard(self.comm, async_op=False)
-        u.wait_unshard()
-        self.prefetch(self._neighbour(u, forward=True))
+        self.gather(u, forward=True)
 
     def _post_forward(self, u: ShardedUnit, module: nn.Module, args, output):
         if in_backward():
@@ -126,9 +154,7 @@ class ZeRO3(ZeRO2):
         self._end_record()  # no root unit: the forward ended when backward began
         if not u.gathered_for_backward:
             u.gathered_for_backward = True
-            u.unshard(self.comm, async_op=False)
-            u.wait_unshard()
-            self.prefetch(self._neighbour(u, forward=False))
+            self.gather(u, forward=False)
 
     # ------------------------------------------------------------ stage answers
     def reduce_grads(self, u: ShardedUnit) -> None:
@@ -141,15 +167,23 @@ class ZeRO3(ZeRO2):
             u.gathered_for_backward = False
 
     def publish(self, u: ShardedUnit) -> None:
+        self.param_tier.overwrite(u)
         self.write_master_into(u, u.shard)
+        self.param_tier.written(u)
         if u.persistent:
             self.enqueue(self.comm.all_gather(u.params, u.shard, async_op=True))
+
+    def after_publish(self) -> None:
+        super().after_publish()
+        self.param_tier.settle_all()
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
         """Every unit gathered, exactly, inside the block (all ranks must enter it)."""
         for u in self.units:
+            self.param_tier.ready(u)
             u.unshard(self.comm, async_op=False, exact=True)
+            self.param_tier.release(u)
         try:
             yield
         finally:
@@ -158,3 +192,57 @@ class ZeRO3(ZeRO2):
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)
+
+    # ------------------------------------------------------------ offload tiers
+    def moving_tiers(self) -> list[Tier]:
+        """The tiers that really move bytes (each once: both parts may share one)."""
+        found = [self.param_tier.tier, self.tiers.opt]
+        return list({id(t): t for t in found if t is not None and t.moves}.values())
+
+    def tier_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes each tier read and wrote since the last call (the engine's step)."""
+        return {t.kind: t.counter.take() for t in self.moving_tiers()}
+
+    # Gradients in a tier (`TierGrads`): the norm from the norms taken as they landed,
+    # the clipping factor applied when each shard is read back for its update.
+    def grad_norm_sq(self) -> float:
+        norm_sq = getattr(self.grads, "norm_sq", None)
+        if norm_sq is None:
+            return super().grad_norm_sq()
+        local = self.comm.all_reduce_scalars(norm_sq(self.units, self.host).reshape(1))[0]
+        return float(local)
+
+    def scale_grads(self, factor: float) -> None:
+        scale = getattr(self.grads, "scale", None)
+        if scale is None:
+            super().scale_grads(factor)
+        else:
+            scale(factor)
+
+    def describe(self) -> list[str]:
+        return super().describe() + [line for t in self.moving_tiers() for line in t.describe()]
+
+    # A checkpoint reads and writes masters and moments in memory: bring them back first
+    # (the next step sends them to their tier again). The format stays the tiers'-free one.
+    def state_dict(self) -> dict[str, Tensor]:
+        self.updater.resident()
+        return super().state_dict()
+
+    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
+        self.updater.resident()
+        super().load_state_dict(sd)
+
+    def load_weights(self, read) -> None:
+        self.updater.resident()
+        super().load_weights(read)
+
+    def weights_finite(self) -> bool:
+        self.updater.resident()
+        return super().weights_finite()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            for t in self.moving_tiers():
+                t.close()

@@ -1,0 +1,381 @@
+"""Where a flat tensor lives between its uses: an offload tier (ZeRO-Infinity).
+
+A `Tier` stores regions — flat runs of one dtype, each with a fixed home — and moves
+them in and out asynchronously; every move is an `IOHandle` (zero/tier_io.py) with its
+start and end, and its bytes go to the tier's `IOCounter`, read per step like the
+collectives' traffic.
+
+- `HostTier` (`cpu`): regions in host memory, pinned at their exact size when they feed
+  a GPU, moved by copies on a side stream fenced by events. On a CPU-only machine host
+  and device are one memory: the tier is logical (`moves` False) and nothing is copied,
+  as with ZeRO-Offload.
+- `NvmeTier` (`nvme`): regions in one file of the run's own directory under
+  `zero.nvme_path`, made with a name no checkpoint reader looks at
+  (`.zerotrain-swap-*`, with a NOT_A_CHECKPOINT note), its space allocated up front
+  after a free-space check, and removed at close, at interpreter exit (also after an
+  exception) and by the next run on the host if a killed run left it.
+
+`Placed` is one tensor that lives in a tier: `fetch` refills its storage (in place, so
+views of it — optimizer parameters, saved tensors — stay valid), `evict` writes it back
+when it changed and releases the storage once the write has landed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from zerotrain.zero.offload import host_buffer, release_host_buffer
+from zerotrain.zero.tier_io import (
+    BlockIO,
+    IOCounter,
+    IOHandle,
+    TierError,
+    aligned,
+    byte_view,
+    free_bytes,
+    make_run_dir,
+    remove_run_dir,
+    supports_direct,
+)
+
+
+@dataclass(eq=False)
+class Region:
+    key: str
+    numel: int
+    dtype: torch.dtype
+    offset: int = 0              # NVMe: where it starts in the tier's file (4 KiB aligned)
+    host: Tensor | None = None   # host tier: where it lives
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Tier:
+    """The interface; `kind` names it in configs and logs."""
+
+    kind = "none"
+    moves = False  # False: the tensor stays where it is (a logical tier)
+
+    def __init__(self) -> None:
+        self.counter = IOCounter()
+
+    def require(self, nbytes: int) -> None:
+        """Before start: refuse a tier that cannot hold `nbytes` (one error)."""
+
+    def region(self, key: str, numel: int, dtype: torch.dtype) -> Region:
+        return Region(key, numel, dtype)
+
+    def store(self, r: Region, src: Tensor) -> IOHandle:
+        return IOHandle(f"store {r.key}", 0)
+
+    def load(self, r: Region, dst: Tensor) -> IOHandle:
+        return IOHandle(f"load {r.key}", 0)
+
+    def describe(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class HostTier(Tier):
+    """Host memory; a real move only when the device is not the host."""
+
+    kind = "cpu"
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.moves = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.moves else None
+        self.pinned: list[Tensor] = []
+
+    def region(self, key: str, numel: int, dtype: torch.dtype) -> Region:
+        r = Region(key, numel, dtype)
+        if self.moves:  # pinned at its exact size (torch's pinned allocator rounds up)
+            r.host = host_buffer(numel, dtype, True)
+            self.pinned.append(r.host)
+        return r
+
+    def _copy(self, what: str, dst: Tensor, src: Tensor, nbytes: int,
+              read: bool) -> IOHandle:
+        assert self.stream is not None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.counter.add(read=nbytes if read else 0, written=0 if read else nbytes)
+        return EventHandle(what, nbytes, event, keep=(dst, src))
+
+    def store(self, r: Region, src: Tensor) -> IOHandle:
+        if not self.moves:
+            return super().store(r, src)
+        assert r.host is not None
+        return self._copy(f"store {r.key}", r.host, src, r.nbytes, read=False)
+
+    def load(self, r: Region, dst: Tensor) -> IOHandle:
+        if not self.moves:
+            return super().load(r, dst)
+        assert r.host is not None
+        return self._copy(f"load {r.key}", dst, r.host, r.nbytes, read=True)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            self.stream.synchronize()
+        for t in self.pinned:
+            release_host_buffer(t)
+        self.pinned.clear()
+
+
+class EventHandle(IOHandle):
+    """A copy on a side stream: `wait` makes the current stream wait for it (no host
+    stall) and keeps both tensors alive until then."""
+
+    def __init__(self, what: str, nbytes: int, event, keep):
+        super().__init__(what, nbytes, keep=keep)
+        self.event = event
+        self.end = None
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+        self.end = self.end or self.start
+        self._keep = None
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class NvmeTier(Tier):
+    kind = "nvme"
+    moves = True
+
+    def __init__(self, path: str, *, threads: int = 4, block_mb: float = 1.0,
+                 direct: bool | str = "auto", rank: int = 0):
+        super().__init__()
+        self.path = path
+        self.root = make_run_dir(path, rank)
+        ok = supports_direct(str(self.root))
+        if direct is True and not ok:
+            remove_run_dir(self.root)
+            raise TierError(f"zero.nvme_direct: true, but {path} refuses O_DIRECT (a tmpfs or "
+                            "network filesystem?): set zero.nvme_direct: auto or false")
+        self.direct = bool(direct) and ok
+        self.fallback = direct == "auto" and not ok
+        self.file = self.root / "regions.bin"
+        flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if self.direct else 0)
+        self.fd = os.open(self.file, flags, 0o600)
+        self.io = BlockIO(threads, int(block_mb * 2**20), self.direct)
+        self.size = 0  # bytes allocated in the file
+        self.failed: TierError | None = None
+        self._finalizer = weakref.finalize(self, _close, self.io, self.fd, self.root)
+
+    # ------------------------------------------------------------ before start
+    def require(self, nbytes: int) -> None:
+        free = free_bytes(self.path)
+        if free < nbytes:
+            raise TierError(
+                f"zero.nvme_path {self.path}: the offload files need {nbytes} bytes "
+                f"({nbytes / 2**30:.2f} GiB) and only {free} bytes ({free / 2**30:.2f} GiB) "
+                "are free there: free space, or point zero.nvme_path at a larger disk")
+
+    def region(self, key: str, numel: int, dtype: torch.dtype) -> Region:
+        r = Region(key, numel, dtype, offset=self.size)
+        n = aligned(r.nbytes)
+        try:  # really allocated: a full disk shows here, not in the middle of a step
+            os.posix_fallocate(self.fd, r.offset, max(n, 1))
+        except OSError as e:
+            raise self.error(f"allocating {key}", n, e) from e
+        self.size += n
+        return r
+
+    # ------------------------------------------------------------ moves
+    def store(self, r: Region, src: Tensor) -> IOHandle:
+        self._check()
+        assert src.numel() == r.numel and src.dtype == r.dtype, (r.key, src.shape, src.dtype)
+        futures = self.io.write(self.fd, byte_view(src), self.counter, r.offset)
+        return IOHandle(f"store {r.key}", r.nbytes, futures, keep=src,
+                        on_error=lambda e: self.error(f"writing {r.key}", r.nbytes, e))
+
+    def load(self, r: Region, dst: Tensor) -> IOHandle:
+        self._check()
+        assert dst.numel() == r.numel and dst.dtype == r.dtype, (r.key, dst.shape, dst.dtype)
+        futures = self.io.read(self.fd, byte_view(dst), self.counter, r.offset)
+        return IOHandle(f"load {r.key}", r.nbytes, futures, keep=dst,
+                        on_error=lambda e: self.error(f"reading {r.key}", r.nbytes, e))
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+
+    def error(self, doing: str, nbytes: int, e: BaseException) -> TierError:
+        """One error for a failed move (the first; later moves repeat it), naming the
+        path, the bytes the run needs there and what to do."""
+        if self.failed is not None:
+            return self.failed
+        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else repr(e)
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        need = max(self.size, nbytes)
+        hint = ("free space there, or point zero.nvme_path at a larger disk" if full else
+                "check the disk (dmesg), or point zero.nvme_path at another disk")
+        self.failed = TierError(
+            f"zero.nvme_path {self.path}: {doing} ({nbytes} bytes) failed: {why}; the run's "
+            f"offload files need {need} bytes ({need / 2**30:.2f} GiB) there, "
+            f"{free_bytes(self.path)} bytes free now: {hint}. Checkpoints are separate "
+            "and were not touched: resume from the last one")
+        return self.failed
+
+    def describe(self) -> list[str]:
+        how = "O_DIRECT" if self.direct else "buffered"
+        lines = [f"nvme tier: {self.root} ({how}, {self.io.pool._max_workers} threads, "
+                 f"{self.io.block // 1024} KiB blocks)"]
+        if self.fallback:
+            lines.append(f"nvme tier: {self.path} refuses O_DIRECT; using buffered I/O "
+                         "(the page cache holds recently moved data)")
+        return lines
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close(io: BlockIO, fd: int, root: Path) -> None:
+    io.close()
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    remove_run_dir(root)
+
+
+class Placed:
+    """One tensor that lives in a tier between uses. It must own its storage from byte 0
+    (views of it stay valid across moves: the storage is resized in place).
+
+    fetch() starts bringing it back, ready() waits for it; evict() writes it back when it
+    changed (`dirty`) and settle() releases the storage once the write has landed. A
+    logical tier (`moves` False) keeps it resident and every call is free.
+    """
+
+    def __init__(self, tier: Tier, key: str, t: Tensor):
+        assert t.storage_offset() == 0 and t.is_contiguous(), key
+        st = t.untyped_storage()
+        assert st.nbytes() == t.numel() * t.element_size() and st.resizable(), key
+        self.tier, self.key, self.t = tier, key, t
+        self.region = tier.region(key, t.numel(), t.dtype) if tier.moves else None
+        self.resident, self.dirty = True, True
+        self.loading: IOHandle | None = None
+        self.storing: IOHandle | None = None
+        self._staged: Tensor | None = None  # NVMe from a GPU: the pinned host copy
+        self.last_load: IOHandle | None = None  # the latest fetch (timelines)
+
+    @property
+    def moves(self) -> bool:
+        return self.region is not None
+
+    def _host_side(self) -> bool:  # NVMe reads and writes host memory only
+        return self.tier.kind == "nvme" and self.t.device.type != "cpu"
+
+    def fetch(self) -> None:
+        """Start the load if the tensor is away (a pending eviction is cancelled)."""
+        if not self.moves or self.loading is not None:
+            return
+        if self.storing is not None:  # evicted but not released: still here, and clean
+            self.storing.wait()
+            self.storing, self._staged = None, None
+            return
+        if self.resident:
+            return
+        st = self.t.untyped_storage()
+        st.resize_(self.t.numel() * self.t.element_size())
+        dst = self.t
+        if self._host_side():
+            dst = self._staged = torch.empty(self.t.numel(), dtype=self.t.dtype,
+                                             pin_memory=True)
+        assert self.region is not None
+        self.loading = self.last_load = self.tier.load(self.region, dst)
+        self.resident, self.dirty = True, False
+
+    def ready(self) -> Tensor:
+        """The tensor, usable (fetching it now if nobody did)."""
+        if not self.resident:
+            self.fetch()
+        if self.loading is not None:
+            self.loading.wait()
+            self.loading = None
+            if self._staged is not None:
+                self.t.copy_(self._staged, non_blocking=True)
+                self._staged = None
+        return self.t
+
+    def evict(self) -> None:
+        """Start moving it back to the tier (written only when `dirty`)."""
+        if not self.moves or not self.resident or self.storing is not None:
+            return
+        self.ready()
+        if not self.dirty:
+            self._release()
+            return
+        src = self.t
+        if self._host_side():
+            src = self._staged = self.t.to("cpu", copy=True).pin_memory()
+        assert self.region is not None
+        self.storing = self.tier.store(self.region, src)
+        self.dirty = False
+
+    def settle(self) -> None:
+        """Wait for an eviction's write and release the storage."""
+        if self.storing is not None:
+            h, self.storing, self._staged = self.storing, None, None
+            if isinstance(h, EventHandle):
+                h.synchronize()
+            h.wait()
+            self._release()
+
+    def claim(self) -> Tensor:
+        """Memory for a tensor about to be written whole: no read (a pending write
+        lands first)."""
+        if self.moves and not self.resident:
+            self.t.untyped_storage().resize_(self.t.numel() * self.t.element_size())
+            self.resident = True
+        self.settle_write()
+        self.dirty = True
+        return self.t
+
+    def drop(self) -> None:
+        """Release without writing: the values are not needed again (a used gradient)."""
+        if self.moves and self.resident:
+            self.ready()
+            self.settle_write()
+            self._release()
+
+    def settle_write(self) -> None:
+        if self.storing is not None:
+            h, self.storing, self._staged = self.storing, None, None
+            h.wait()
+
+    def _release(self) -> None:
+        self.t.untyped_storage().resize_(0)
+        self.resident = False
+
+
+def make_tier(kind: str, device: torch.device, *, path: str | None = None, threads: int = 4,
+              block_mb: float = 1.0, direct: bool | str = "auto", rank: int = 0) -> Tier:
+    """The tier a config names: none (the device itself), cpu or nvme."""
+    if kind == "cpu":
+        return HostTier(device)
+    if kind == "nvme":
+        assert path, "zero.nvme_path is checked by the config"
+        return NvmeTier(path, threads=threads, block_mb=block_mb, direct=direct, rank=rank)
+    return Tier()
