@@ -344,14 +344,14 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool | str = Fal
     bench/capacity.py holds these numbers against measured runs.
     """
     from zerotrain.models import build_model, plan_for
-    from zerotrain.zero import STRATEGIES, run_shape
+    from zerotrain.zero import run_shape, strategy_class
 
     opt = offload if isinstance(offload, str) else "cpu" if offload else "none"
     cfg = cfg.model_copy(update={"zero": cfg.zero.model_copy(update={
         "offload_optimizer": opt, "offload_param": offload_param})})
     model = build_model(cfg.model, device="meta")
-    shape = run_shape(STRATEGIES[(stage, opt != "none")], cfg, model, plan_for(model), device,
-                      world)
+    cfg = cfg.model_copy(update={"zero": cfg.zero.model_copy(update={"stage": stage})})
+    shape = run_shape(strategy_class(cfg.zero), cfg, model, plan_for(model), device, world)
     act = config_activations(cfg, micro_batch, seq, device=device).peak
     phases = phase_estimates(shape, act)
     cpu = device == "cpu"

@@ -52,18 +52,23 @@ def offload_problem(shards: frozenset[str], offloads: frozenset[str],
     return None
 
 
-def declared_offloads(offload_optimizer: str = "none", offload_param: str = "none"
-                      ) -> tuple[frozenset[str], frozenset[str]]:
+def declared_offloads(offload_optimizer: str = "none", offload_param: str = "none", *,
+                      host_is_device: bool = False) -> tuple[frozenset[str], frozenset[str]]:
     """(offloads, disk) of the config's tiers (zero.offload_optimizer / offload_param:
-    none, cpu or nvme). The optimizer's tier holds the master and the moments; its
-    gradient shard stays in host memory with nvme (it is written every micro-step and
-    read once by the update, so it is kept where the update runs)."""
+    none, cpu or nvme). The optimizer's tier holds the master and the moments; beside a
+    GPU its gradient shard stays in host memory with nvme (it is written every
+    micro-step and read once by the update, so it is kept where the update runs).
+    `host_is_device` (a CPU-only run): host memory is the memory being saved, so there
+    the gradient shard goes to the disk with the optimizer (zero/infinity.TierGrads),
+    and a `cpu` parameter tier is the device itself — nothing moves."""
     for name, v in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if v not in ("none", "cpu", "nvme"):
             raise ValueError(f"{name} must be none, cpu or nvme, got {v!r}")
     offloads = set(OFFLOADED) if offload_optimizer != "none" else set()
     disk = {"master", "optimizer"} if offload_optimizer == "nvme" else set()
-    if offload_param != "none":
+    if host_is_device and offload_optimizer == "nvme":
+        disk.add("grads")
+    if offload_param == "nvme" or (offload_param == "cpu" and not host_is_device):
         offloads.add("params")
     if offload_param == "nvme":
         disk.add("params")

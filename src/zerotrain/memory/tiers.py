@@ -3,8 +3,10 @@
 A run's shape declares which model states are off the device (`RunShape.offloads`) and
 which of those are in files on a disk (`RunShape.disk`; the rest are in host memory):
 `zero.offload_param` moves the parameter shard, `zero.offload_optimizer` the master and
-the moments (nvme) and, with them, the gradient shard (to host memory in both cases:
-it is written every micro-step and read by the update, which runs on the host).
+the moments (nvme) and, with them, the gradient shard (to host memory beside a GPU: it
+is written every micro-step and read by the update, which runs on the host; on a
+CPU-only run to the disk, written every micro-step and read back A times — by each
+later micro-step to accumulate and by the update).
 
 Per rank, S = Σ ceil(P/N) elements (the shard of every flat buffer), U = ceil(L/N) the
 largest unit's shard, A micro-steps per optimizer step, p = `offload_prefetch`, and
@@ -92,6 +94,8 @@ def tier_traffic(shape: RunShape) -> TierTraffic:
                   Move("params (bwd)", p_tier, "device", a * s * bpp.params)]
     if g_tier != "device":
         moves.append(Move("grads", "device", g_tier, a * s * bpp.grads))
+    if g_tier == "disk":  # read back by each later micro-step (to add) and by the update
+        moves.append(Move("grads (read back)", "disk", "host", a * s * bpp.grads))
     if o_tier == "disk":
         # the update runs in host memory; the parameter shard is the master when both
         # share the disk without a master copy: it is written back as the parameters
@@ -114,6 +118,8 @@ def staging_bytes(shape: RunShape) -> dict[str, int]:
         host += n * unit * shape.bpp.params
     if shape.tier("optimizer") == "disk":
         host += n * unit * (_master_bytes(shape) + shape.bpp.optimizer)
+    if shape.tier("grads") == "disk":  # the shard landing and p written behind
+        host += n * unit * shape.bpp.grads
     return {"device": 0, "host": host}
 
 

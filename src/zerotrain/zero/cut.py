@@ -135,7 +135,8 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
     widest = max(p.numel() for _, p, _ in named)
     cpu = device_type == "cpu"
     # the tiers the config asks for (zero.offload_param / offload_optimizer, issue 25)
-    offloads, disk = declared_offloads(cfg.zero.offload_optimizer, cfg.zero.offload_param)
+    offloads, disk = declared_offloads(cfg.zero.offload_optimizer, cfg.zero.offload_param,
+                                       host_is_device=cpu)
     return RunShape(
         numels, world, bpp, cls.shards, cls.offloads | offloads, disk,
         offload_prefetch=cfg.zero.offload_prefetch, micro_steps=cfg.data.grad_accum_steps,
