@@ -94,9 +94,10 @@ class Reporter:
         n_params = sum(p.numel() for p in eng.module.parameters())
         self.say(f"[zerotrain] {world} rank(s), {eng.strategy.name}, "
                  f"{n_params:,} params, {eng.policy.describe()}")
-        self.say("[zerotrain] model states on rank 0 (bytes): " + ", ".join(
-            f"{place} {k}={v:,}" for place in ("device", "host") for k, v in ms[place].items()
-            if v))
+        held = ", ".join(f"{place} {k}={v:,}" for place in ("device", "host")
+                         for k, v in ms[place].items() if v)
+        self.say("[zerotrain] model states on rank 0 (bytes): "
+                 + (held or "none resident between steps (in the offload tiers below)"))
         for line in eng.strategy.describe():  # e.g. distributed Muon: who owns which matrix
             self.say(f"[zerotrain] {line}")
         if eng.device.type == "cpu":
@@ -111,6 +112,8 @@ class Reporter:
                "grad_norm": sinfo.grad_norm, "tokens_per_s": tokens_per_s,
                "step_time_s": dt, "loss_scale": sinfo.loss_scale,
                "skipped_total": sinfo.skipped_total, "bytes_sent": eng.last_traffic_bytes[0]}
+        if eng.last_tier_bytes:  # offload tiers that move bytes (nvme): read/written this step
+            rec["tier_bytes"] = eng.last_tier_bytes
         if sinfo.fp8 is not None:  # FP8 overflow/underflow counts per tensor class, this step
             rec["fp8"] = sinfo.fp8
         self.train_step(rec, eng.policy.loss_scaling)

@@ -242,6 +242,8 @@ class NvmeOffload(HostOffload):
     memory, resizable (a pinned buffer's size is fixed): a GPU's publish copies from
     pageable memory. `tier` and `depth` are set by `zero.build_strategy`."""
 
+    suffix = "-nvme"  # zero3-nvme: the strategy's name in logs and memory reports
+
     def __init__(self, device: torch.device):
         super().__init__(device)
         self.steps_by_unit = True
