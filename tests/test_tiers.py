@@ -140,6 +140,18 @@ def test_free_space_checked_before_start(tmp_path):
     t.close()
 
 
+def test_free_space_counts_the_machines_ranks(tmp_path, monkeypatch):
+    """Ranks on one machine share the disk: each checks room for all of them."""
+    t = nvme(tmp_path)
+    third = tier_io.free_bytes(str(tmp_path)) // 3
+    t.require(third)  # one rank: fits
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(TierError, match="this machine's 4 ranks' offload files need "
+                                        f"{4 * third} bytes"):
+        t.require(third)
+    t.close()
+
+
 def test_full_disk_mid_run_is_one_error_naming_path_and_bytes(tmp_path, monkeypatch):
     t = nvme(tmp_path, direct=False)
     r = t.region("unit3.master", 10000, torch.float32)

@@ -41,6 +41,7 @@ from zerotrain.zero.tier_io import (
     aligned,
     byte_view,
     free_bytes,
+    held_by_others,
     make_run_dir,
     remove_run_dir,
     supports_direct,
@@ -186,11 +187,20 @@ class NvmeTier(Tier):
 
     # ------------------------------------------------------------ before start
     def require(self, nbytes: int) -> None:
-        free = free_bytes(self.path)
-        if free < nbytes:
+        """Refuse a disk without room for this rank's files and those of the other ranks
+        on this machine (torchrun's LOCAL_WORLD_SIZE; they share `nvme_path`, each about
+        as large; what they allocated already counts as theirs). The files are
+        allocated (fallocate) as the units are cut, so a disk
+        filling between this check and then still fails before the first step."""
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        total = nbytes * ranks
+        free = free_bytes(self.path) + held_by_others(Path(self.path), self.root)
+        if free < total:
+            who = f"this machine's {ranks} ranks' offload files" if ranks > 1 else \
+                "the offload files"
             raise TierError(
-                f"zero.nvme_path {self.path}: the offload files need {nbytes} bytes "
-                f"({nbytes / 2**30:.2f} GiB) and only {free} bytes ({free / 2**30:.2f} GiB) "
+                f"zero.nvme_path {self.path}: {who} need {total} bytes "
+                f"({total / 2**30:.2f} GiB) and only {free} bytes ({free / 2**30:.2f} GiB) "
                 "are free there: free space, or point zero.nvme_path at a larger disk")
 
     def region(self, key: str, numel: int, dtype: torch.dtype) -> Region:

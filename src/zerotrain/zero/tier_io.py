@@ -15,6 +15,7 @@ naming the path and the bytes needed, whatever number of blocks failed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -225,6 +226,19 @@ def supports_direct(directory: str) -> bool:
 def free_bytes(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def held_by_others(base: Path, own: Path) -> int:
+    """Bytes already allocated under `base` by the other live swap directories of this
+    host (the other ranks of this run, which may have allocated before this one checks)."""
+    host = socket.gethostname().replace("-", "_")
+    total = 0
+    for d in base.glob(f"{PREFIX}-{host}-*"):
+        if d != own:
+            for f in d.iterdir():
+                with contextlib.suppress(OSError):
+                    total += f.stat().st_blocks * 512
+    return total
 
 
 def make_run_dir(path: str, rank: int) -> Path:
