@@ -7,6 +7,7 @@ Run:
     .venv/bin/python bench/longctx.py --systems plain,best,fsdp2-ckpt,ds3-ckpt --max 65536
     .venv/bin/python bench/longctx.py --world 4 --systems sp --start 8192   # SP = 4 row
     .venv/bin/python bench/longctx.py --plan                # print the runs, run nothing
+    .venv/bin/python bench/longctx.py --report bench/results/longctx.json  # tables + plot again
 
 The model of issue 24: a Hugging Face Llama with random weights (2 layers × 128, 4 heads,
 vocabulary 32,000), fp32 AdamW (lr 1e-3), ZeRO-3 (or its peer equivalent), one sequence
@@ -284,6 +285,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     left.barh(names, [max(doc["longest"][s], 1) for s in systems], color=[
         "tab:gray" if s in PEERS else "tab:blue" for s in systems])
     left.set_xscale("log", base=2)
+    left.set_xlim(left=doc["runs"] and min(r["seq"] for rs in doc["runs"].values()
+                                           for r in rs) / 2)
     left.set_xlabel("longest sequence trained (tokens)")
     left.set_title(f"{doc['world']} ranks, {doc['cap_gib']:g} GiB per rank")
     for i, s in enumerate(systems):
@@ -292,12 +295,16 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         pts = [(r["seq"], max(r["peak_rss"]) / GiB) for r in doc["runs"][s]
                if r.get("verdict") == "ok"]
         if pts:
-            right.plot(*zip(*pts), marker="o", ls="--" if s in PEERS else "-",
-                       label=LABELS.get(s, s))
+            line, = right.plot(*zip(*pts), marker="o", ls="--" if s in PEERS else "-",
+                               label=LABELS.get(s, s))
+            failed = [r["seq"] for r in doc["runs"][s] if r.get("verdict") != "ok"]
+            if failed:  # the length that did not fit (or ran out of time): an x at the cap
+                right.plot(failed[:1], [doc["cap_gib"]], marker="x", ms=10, ls="none",
+                           color=line.get_color())
     right.axhline(doc["cap_gib"], color="red", lw=1, label="cap")
     right.set_xscale("log", base=2)
     right.set_xlabel("sequence length (tokens)")
-    right.set_ylabel("peak resident memory per rank (GiB)")
+    right.set_ylabel("peak resident memory per rank (GiB; x: did not fit or timed out)")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -345,6 +352,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", default="/tmp/zerotrain-longctx")
     p.add_argument("--out", default=str(HERE / "results" / "longctx.json"))
     p.add_argument("--plan", action="store_true", help="print the runs, run nothing")
+    p.add_argument("--report", metavar="JSON", help="run nothing: the tables and plot of a "
+                   "results file written earlier")
     # worker mode (started by the driver)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--setting", default="best", help=argparse.SUPPRESS)
@@ -357,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.worker:
         worker(a)
+        return 0
+    if a.report:
+        doc = json.loads(Path(a.report).read_text())
+        plot(doc, Path(a.report).with_suffix(".png"))
+        print(tables(doc))
         return 0
     systems = [s for s in a.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
