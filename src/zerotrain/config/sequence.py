@@ -28,20 +28,38 @@ class SequenceConfig(_Section):
         "be divisible by it). 1: off")
 
 
-def check_sequence_parallel(sp: int, world_size: int, n_head: int | None = None,
-                            seq_len: int | None = None) -> None:
-    """One ConfigError naming sequence.parallel when S cannot split this run.
-
-    Checked where the numbers are known: the world size at engine start, the heads from
-    the model, the length from model.block_size (or the batch in library mode)."""
+def sequence_parallel_problems(sp: int, world_size: int | None = None,
+                               n_head: int | None = None, seq_len: int | None = None, *,
+                               heads_field: str = "model.n_head",
+                               length_field: str = "model.block_size") -> list[str]:
+    """What keeps S = `sp` from splitting this run, one message per problem, each naming
+    the field to change. The numbers not known yet are None (the config knows the heads
+    and block size, the launcher the world size, library mode the batch's length)."""
     if sp == 1:
-        return
-    if world_size % sp:
-        raise ConfigError(f"sequence.parallel ({sp}) must divide the world size ({world_size}); "
-                          f"use a divisor of {world_size} or launch a multiple of {sp} ranks")
+        return []
+    out = []
+    if world_size is not None and world_size % sp:
+        out.append(f"sequence.parallel ({sp}) must divide the world size ({world_size}): "
+                   f"use a divisor of {world_size} or launch a multiple of {sp} ranks")
     if n_head is not None and n_head % sp:
-        raise ConfigError(f"sequence.parallel ({sp}) must divide the number of attention heads "
-                          f"({n_head}): each rank attends with heads/{sp} of them")
+        out.append(f"sequence.parallel ({sp}) must divide {heads_field}, the attention "
+                   f"heads ({n_head}): each rank attends with an equal share of them; use a "
+                   f"divisor of {n_head}")
     if seq_len is not None and seq_len % sp:
-        raise ConfigError(f"sequence.parallel ({sp}) must divide the sequence length "
-                          f"(model.block_size {seq_len}): each rank keeps an equal slice")
+        out.append(f"sequence.parallel ({sp}) must divide {length_field}, the sequence "
+                   f"length ({seq_len}): each rank keeps an equal slice; use a multiple of "
+                   f"{sp}")
+    return out
+
+
+def check_sequence_parallel(sp: int, world_size: int | None = None, n_head: int | None = None,
+                            seq_len: int | None = None, *, heads_field: str = "model.n_head",
+                            length_field: str = "model.block_size") -> None:
+    """One ConfigError (every problem of `sequence_parallel_problems`, one per line) when
+    S cannot split this run. The config checks what it knows (heads, block size), the
+    launcher the world size, the engine the model's heads and library mode's batches —
+    all through this one function, so a problem reads the same wherever it is found."""
+    problems = sequence_parallel_problems(sp, world_size, n_head, seq_len,
+                                          heads_field=heads_field, length_field=length_field)
+    if problems:
+        raise ConfigError("\n".join(problems))

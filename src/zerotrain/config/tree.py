@@ -18,7 +18,7 @@ from zerotrain.config.run import (
     TrainConfig,
     ZeroConfig,
 )
-from zerotrain.config.sequence import SequenceConfig
+from zerotrain.config.sequence import SequenceConfig, check_sequence_parallel
 from zerotrain.config.training import (
     OptimizerConfig,
     PrecisionConfig,
@@ -77,15 +77,12 @@ class Config(_Section):
                     f"schedule.decay_steps ({s.decay_steps}) ends the decay at step {end}, "
                     f"after train.steps ({self.train.steps}): the run would stop before "
                     "reaching schedule.min_lr; shorten decay_steps or leave it null")
-        sp, m = self.sequence.parallel, self.model
+        m = self.model
         # block_size only when given: library mode's batches need not follow the default
         # (their length is checked per batch); the CLI checks it at launch too
-        if sp > 1 and "block_size" in m.model_fields_set and m.block_size % sp:
-            raise ValueError(f"sequence.parallel ({sp}) must divide model.block_size "
-                             f"({m.block_size}): each rank keeps an equal slice of a sequence")
-        if sp > 1 and m.n_head and m.n_head % sp:
-            raise ValueError(f"sequence.parallel ({sp}) must divide model.n_head ({m.n_head}): "
-                             "each rank attends with an equal share of the heads")
+        check_sequence_parallel(self.sequence.parallel, n_head=m.n_head or None,
+                                seq_len=m.block_size if "block_size" in m.model_fields_set
+                                else None)
         no_effect = idle_settings(self)
         if no_effect:
             raise ValueError("; ".join(no_effect))

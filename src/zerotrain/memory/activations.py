@@ -22,6 +22,11 @@ statistics, attention's log-sum-exp and the loss are fp32.
   `offload` moves the kept inputs to pinned host memory (`host`); on CUDA at most two are
   on the device at once (the one recomputing, the one coming back). On a CPU the host
   is the device: offload counts as checkpointing.
+- **sequence parallelism** (`sequence.parallel` S): every per-token tensor holds this
+  rank's T/S tokens — blocks, head, tiles, tables; attention's head-sharded q, k, v and
+  output over all T tokens with H/S heads are the same size. The exchanges add their
+  buffers (`exchange_bytes`, `EXCHANGE_COPIES`): beside attention's backward, and with
+  checkpointing beside the recomputed block.
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ from typing import Any
 from zerotrain.config import ModelConfig
 
 STAT = 4  # fp32 statistics, log-sum-exp, loss
+#: Ulysses exchange buffers at the step's peak, in packed-q/k/v sizes (`exchange_bytes`),
+#: per family: (no checkpointing: on top of everything saved, in the last block's
+#: attention backward; checkpointing: beside one block's recompute and backward).
+#: `_exchange` stacks a copy to send, receives one and concatenates a third while the
+#: input lives; how many of these overlap autograd's own buffers was measured (CPU SDPA,
+#: S = 2, fp32, min of 3 steps; tests/test_sequence_parallel.py holds it within 10%).
+EXCHANGE_COPIES = {"gpt": (2.5, 1.5), "llama": (2.0, 1.75)}
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -104,6 +116,7 @@ class _Shape:
     heads: int
     inter: int
     vocab: int
+    kv: int = 0  # KV heads (0: as many as query heads)
 
 
 def _shape(c: ModelConfig, hf_config: dict[str, Any] | None = None) -> _Shape:
@@ -120,22 +133,38 @@ def _shape(c: ModelConfig, hf_config: dict[str, Any] | None = None) -> _Shape:
         return _Shape("gpt" if gpt2 else "llama",
                       raw.get("num_hidden_layers") or raw.get("n_layer") or c.n_layer,
                       h, raw.get("num_attention_heads") or raw.get("n_head") or c.n_head,
-                      inter or 4 * h, raw.get("vocab_size") or c.vocab_size)
+                      inter or 4 * h, raw.get("vocab_size") or c.vocab_size,
+                      0 if gpt2 else raw.get("num_key_value_heads") or 0)
     assert c.n_layer and c.n_embd and c.n_head
     inter = c.intermediate_size or c.mlp_ratio * c.n_embd
-    return _Shape(c.arch or "gpt", c.n_layer, c.n_embd, c.n_head, inter, c.vocab_size)
+    kv = (c.n_kv_head or 0) if c.arch == "llama" else 0
+    return _Shape(c.arch or "gpt", c.n_layer, c.n_embd, c.n_head, inter, c.vocab_size, kv)
+
+
+def exchange_bytes(sh: _Shape, n_local: int, sp: int, ab: int) -> int:
+    """Bytes of one Ulysses exchange's packed q, k, v on a rank holding `n_local` tokens:
+    [H + 2·Hkv'] heads × D × n_local, Hkv' the KV heads after the fewest copies that
+    split them over `sp` ranks (`models/ulysses.py`); the output's exchange is smaller."""
+    heads, kv = sh.heads, sh.kv or sh.heads
+    group = heads // kv
+    r = next((r for r in range(1, group + 1) if group % r == 0 and (kv * r) % sp == 0), 1)
+    return n_local * (sh.h + 2 * kv * r * (sh.h // heads)) * ab
 
 
 def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
                      act_bytes: int = 2, checkpointing: bool | str | None = None,
                      tile_tokens: int | None = None, device: str = "cuda",
-                     hf_config: dict[str, Any] | None = None) -> Activations:
+                     hf_config: dict[str, Any] | None = None,
+                     sequence_parallel: int = 1) -> Activations:
     """Saved, peak and host activation bytes of one rank's training step (module doc)."""
     c = model_cfg
     sh = _shape(c, hf_config)
     mode = c.activation_checkpointing if checkpointing is None else checkpointing
     offload = mode == "offload" and device == "cuda"
-    n, h, ab, V, L = micro_batch * seq, sh.h, act_bytes, sh.vocab, sh.n_layer
+    S = max(1, sequence_parallel)
+    # with sequence parallelism every per-token tensor holds this rank's T/S tokens
+    n, h, ab, V, L = micro_batch * seq // S, sh.h, act_bytes, sh.vocab, sh.n_layer
+    seq //= S
     tiled_head = tile_tokens is not None  # the tiled loss, even as one tile
     tiled = tiled_head and tile_tokens < n  # the MLP runs plain when one tile holds it all
     tile = min(tile_tokens, n) if tile_tokens is not None else n
@@ -164,7 +193,10 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
     if tiled:  # the tiled MLP's parameter gradients: the running sum and one tile's
         mlp_grad += 2 * (2 if sh.family == "gpt" else 3) * h * sh.inter * ab
     attn_grad = (5 if sh.family == "gpt" else 3) * n * h * ab
-    block_bwd = max(mlp_grad, attn_grad)
+    # sequence parallelism: the exchanges' buffers join attention (`EXCHANGE_COPIES`)
+    plain_a2a, ckpt_a2a = (int(k * exchange_bytes(sh, n, S, ab)) if S > 1 else 0
+                           for k in EXCHANGE_COPIES[sh.family])
+    block_bwd = max(mlp_grad, attn_grad + ckpt_a2a)
     inp = n * h * ab
     if mode:
         kept = (0 if offload else L * inp)
@@ -177,7 +209,7 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
                    kept + on_device + tables + block + block_bwd + tied)
         return Activations(saved, peak, L * inp if offload else 0)
     saved = L * block + head_saved + tables
-    return Activations(saved, saved + head_peak)
+    return Activations(saved, saved + max(head_peak, plain_a2a))
 
 
 def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
@@ -198,7 +230,8 @@ def config_activations(cfg: Any, micro_batch: int | None = None, seq: int | None
     return activation_parts(
         cfg.model, micro_batch or cfg.data.micro_batch_size, seq or cfg.model.block_size,
         act_bytes=activation_dtype_bytes(cfg.precision.dtype),
-        tile_tokens=cfg.sequence.tile_tokens, device=device)
+        tile_tokens=cfg.sequence.tile_tokens, device=device,
+        sequence_parallel=cfg.sequence.parallel)
 
 
 def max_seq(fits: Any, lo: int = 1, hi: int = 1 << 24) -> int:

@@ -222,7 +222,9 @@ class SequenceParallel:
                 f"sequence.parallel ({size}) needs a model whose attention zerotrain can "
                 f"shard (the reference GPT, llama, or a Hugging Face transformers model); "
                 f"{type(model).__name__} is none of them; set sequence.parallel 1")
-        check_sequence_parallel(size, comm.world_size, heads[0])
+        reference = getattr(getattr(model, "cfg", None), "hf", 1) is None
+        check_sequence_parallel(size, comm.world_size, heads[0], heads_field="model.n_head"
+                                if reference else "the model's num_attention_heads")
         self.size = size
         self.group = comm.split(size)
         self.rank = self.group.rank
@@ -253,9 +255,7 @@ class SequenceParallel:
         else:
             raise ValueError("sequence parallelism: pass the token ids first or as input_ids=")
         T = ids.shape[1]
-        if T % self.size:
-            raise ConfigError(f"sequence.parallel ({self.size}) must divide the sequence "
-                              f"length of the batch ({T})")
+        check_sequence_parallel(self.size, seq_len=T, length_field="the batch's length")
         targets = None
         if "labels" in kwargs and kwargs["labels"] is not None:  # unshifted: shift once here
             lab = kwargs.pop("labels")
