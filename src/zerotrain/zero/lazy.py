@@ -62,7 +62,9 @@ def from_tier(p: Any) -> Lazy:
         if p.resident or not p.moves:
             return p.ready()
         out = torch.empty(t.numel(), dtype=t.dtype)
-        p.tier.load(p.region, out).wait()
+        h = p.tier.load(p.region, out)
+        getattr(h, "synchronize", lambda: None)()  # a copy on a side stream: on the host
+        h.wait()
         c = p.tier.counter
         with c.lock:
             c.read -= out.nbytes
