@@ -61,19 +61,19 @@ def test_resume_is_bit_exact_sharded(tmp_path, stage):
 _KILLER = textwrap.dedent("""
     import os, sys
     import safetensors.torch as st
-    from zerotrain.checkpoint import io
+    from zerotrain.checkpoint import stream
     from zerotrain.config import load_config
     from zerotrain.run.loop import train
-    real = io.save_file
+    real = stream.write
     calls = []
-    def dying_save(tensors, path, *a, **k):
+    def dying_save(path, tensors, *a, **k):
         calls.append(path)
         if len(calls) == 2:          # the second checkpoint: die half-way through writing it
             with open(path, "wb") as f:
                 f.write(b"partial")
             os._exit(9)
-        return real(tensors, path, *a, **k)
-    io.save_file = dying_save
+        return real(path, tensors, *a, **k)
+    stream.write = dying_save
     train(load_config(sys.argv[1]))
 """)
 

@@ -49,6 +49,7 @@ from zerotrain.optim import build_optimizer, is_elementwise
 from zerotrain.optim.groups import group_hyperparameters
 from zerotrain.optim.schedule import lr_from_config
 from zerotrain.zero import Strategy, build_strategy, run_shape
+from zerotrain.zero.lazy import swap_lazy, tiered_state
 from zerotrain.zero.state import WeightReader
 
 #: optimizer steps during which each phase's peak memory is measured
@@ -293,15 +294,16 @@ class Engine(DeepSpeedAPI):
             yield
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, lazy: bool = False) -> dict[str, Any]:
         """Everything a resume needs, in this rank's own layout.
 
         "meta" describes that layout (units, this rank's optimizer tensors) and the model
         (parameter names, shapes, tied aliases), so a checkpoint can be checked and cut
         again for another world size or stage without the model.
         """
-        return {
-            "strategy": self.strategy.state_dict(),
+        strategy, away = tiered_state(self.strategy) if lazy else (self.strategy.state_dict(), {})
+        return swap_lazy({  # `lazy`: the states in an offload tier as `zero.lazy.Lazy`
+            "strategy": strategy,
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "counters": {"global_step": self.global_step, "micro_step": self.micro_step,
@@ -314,7 +316,7 @@ class Engine(DeepSpeedAPI):
                      "aliases": aliases(self.module),
                      "optimizer": self.config.optimizer.name,
                      "config": self.config.to_dict(), "extra": self.extra_meta},
-        }
+        }, away)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore from a state dict in this engine's layout (see `checkpoint/`).
@@ -324,8 +326,8 @@ class Engine(DeepSpeedAPI):
         """
         self.strategy.load_state_dict(sd["strategy"])
         groups = self.optimizer.state_dict()["param_groups"]
-        self.optimizer.load_state_dict({"state": sd["optimizer"]["state"],
-                                        "param_groups": groups})
+        self.optimizer.load_state_dict({"state": sd["optimizer"]["state"], "param_groups": groups})
+        getattr(self.strategy, "fill_optimizer", lambda _: None)(self.optimizer)  # Lazy ones
         self.scaler.load_state_dict(sd["scaler"])
         self.global_step = int(sd["counters"]["global_step"])
         self.micro_step = int(sd["counters"]["micro_step"])
@@ -345,7 +347,7 @@ class Engine(DeepSpeedAPI):
         first = "save" not in self.phases.peaks
         if first:
             self.phases.begin()
-        path = save(self.state_dict(), save_dir, step=self.global_step, rank=self.rank,
+        path = save(self.state_dict(lazy=True), save_dir, step=self.global_step, rank=self.rank,
                     world=self.world_size, keep=self.config.checkpoint.keep,
                     run_id=self.run_id, client_state=client_state, name=tag)
         if first:
@@ -357,7 +359,7 @@ class Engine(DeepSpeedAPI):
         """Restore from `load_dir` (its `latest`, or `tag`) at any world size or stage;
         returns (checkpoint path, client_state)."""
         src = Path(load_dir) / tag if tag else Path(load_dir)
-        sd, info = load(src, self.state_dict(), self.rank, reset_optimizer)
+        sd, info = load(src, self.state_dict(lazy=True), self.rank, reset_optimizer)
         self.load_state_dict(sd)
         self.last_load = info
         return info.path, info.client_state

@@ -24,10 +24,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 
+from zerotrain.checkpoint import stream
 from zerotrain.comm.dist import barrier, patient_barrier
+from zerotrain.zero.lazy import Lazy
 
 FORMAT_VERSION = 2
 #: Formats no zerotrain writes any more, with how to get on from one. Format 1 (before
@@ -162,18 +163,25 @@ def verify(ckpt: Path, meta: dict[str, Any], files: list[Path]) -> None:
                                   "manifest)")
 
 
-def _write_rank(tmp: Path, rank: int, tensors: dict[str, torch.Tensor],
+def _write_rank(tmp: Path, rank: int, tensors: dict[str, Any],
                 rank_meta: dict[str, Any]) -> None:
+    """This rank's files. The tensors are written one at a time (`stream.write`: the
+    bytes `save_file` writes), each brought to the host — or in from its offload tier, a
+    `Lazy` one — just before its bytes go out and dropped after: no copy of the whole
+    state is ever made."""
     st, js = rank_files(tmp, rank)
-    # one host tensor at a time: no device-side copy of the whole state (safetensors also
-    # refuses views that share storage, hence the copy)
-    host = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-    save_file(host, str(st))
-    js.write_text(json.dumps(dict(rank_meta, sha256=sha256(st))))
+    if stream.writable(tensors):
+        digest = stream.write(st, tensors)
+    else:  # a dtype the writer does not order: safetensors itself, from host copies
+        host = {k: (v.load() if isinstance(v, Lazy) else v).detach().to("cpu", copy=True)
+                .contiguous() for k, v in tensors.items()}
+        save_file(host, str(st))
+        digest = sha256(st)
+    js.write_text(json.dumps(dict(rank_meta, sha256=digest)))
 
 
 def save_sharded(root: str | Path, step: int, rank: int, world: int,
-                 tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any],
+                 tensors: dict[str, Any], rank_meta: dict[str, Any],
                  meta: dict[str, Any], keep: int, name: str | None = None,
                  latest: bool = True) -> Path:
     """Collective: every rank calls it with its own shards; rank 0 also writes meta."""

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
+from zerotrain.checkpoint import stream
 from zerotrain.checkpoint.io import (
     CheckpointError,
     rank_files,
@@ -39,6 +42,7 @@ from zerotrain.checkpoint.io import (
 )
 from zerotrain.checkpoint.reshard import SCALAR_STATES, SavedShards
 from zerotrain.zero.flat import gather_range
+from zerotrain.zero.lazy import Lazy, flat_slice
 
 #: Optimizer group options that say how to compute, not what: never compared.
 RUNTIME_OPTIONS = ("compiled",)
@@ -86,7 +90,8 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
     return save_sharded(root, step, rank, world, tensors, rank_meta, meta, keep, name, latest)
 
 
-def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any], dict]:
+def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor | Lazy], dict[str, Any],
+                                                 dict]:
     """(tensors, scalar optimizer state, cut) of what this rank writes: of each unit only
     its `write_ranges` — all it holds at stages 1–3, its shard of the replicated state at
     stage 0 — and the cut (`opt_ranges`, `segments`) describing exactly that, which is
@@ -95,12 +100,12 @@ def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, A
     cut = state["meta"]["rank_layout"]
     held = [tuple(r) for r in cut["opt_ranges"]]
     write = [tuple(r) for r in cut.get("write_ranges", held)]
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, Tensor | Lazy] = {}
     for k, v in state["strategy"].items():
         if k.startswith("master."):
             ui = int(k.split(".")[1])
             (lo, _), (a, b) = held[ui], write[ui]
-            v = v[a - lo:b - lo]
+            v = flat_slice(v, a - lo, b - lo)
         tensors[f"strategy.{k}"] = v
     segments = []
     for ui, a, b, shape in cut["segments"]:
@@ -114,10 +119,10 @@ def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, A
         if x == y:  # none of this tensor is this rank's to write
             continue
         for n, v in st.items():
-            if not isinstance(v, Tensor):
+            if not isinstance(v, (Tensor, Lazy)):
                 scalars[f"{idx}.{n}"] = v
             else:
-                tensors[f"optim.{idx}.{n}"] = v.reshape(-1)[x - a:y - a] if v.ndim else v
+                tensors[f"optim.{idx}.{n}"] = flat_slice(v, x - a, y - a) if v.ndim else v
     return tensors, scalars, {"opt_ranges": [list(r) for r in write], "segments": segments}
 
 
@@ -126,8 +131,11 @@ def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, A
 
 def load(path: str | Path, template: dict[str, Any], rank: int,
          reset_optimizer: bool = False) -> tuple[dict[str, Any], Loaded]:
-    """A state dict in `template`'s layout from the checkpoint at `path`."""
+    """A state dict in `template`'s layout from the checkpoint at `path`. Where the
+    template's states are `Lazy` (they live in an offload tier), so are the returned
+    masters and optimizer tensors: each is read from the files when its unit is filled."""
     ckpt = resolve(path)
+    lazy = any(isinstance(v, Lazy) for v in template["strategy"].values())
     meta = read_meta(ckpt)
     check_model(meta["layout"], template["meta"]["layout"],
                 order=list(template["meta"]["aliases"].values()))
@@ -139,7 +147,7 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
     tensors: dict[str, Tensor] = {}
     rmeta: dict[str, Any] = {}
     if same:
-        tensors, rmeta = _read_rank(ckpt, meta, rank)
+        tensors, rmeta = _read_rank(ckpt, meta, rank, lazy)
         # the same units can still be cut differently for the optimizer (e.g. Muon keeps
         # per-matrix tensors), or written in parts (stage 0 at N > 1: each rank wrote a
         # slice of the replicated state); that follows from layout and optimizer alone,
@@ -148,7 +156,7 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
     if same:
         sd = _same_layout(tensors, rmeta, template)
     else:  # the RNG streams carry over where rank r of the checkpoint is rank r here
-        sd = resliced(SavedShards(ckpt, meta), template, rank if same_world else None)
+        sd = resliced(SavedShards(ckpt, meta), template, rank if same_world else None, lazy)
     if reset:
         sd["optimizer"] = {"state": {}}
     sd.update(scaler=meta["scaler"],
@@ -165,7 +173,8 @@ def _cut(rank_layout: dict) -> tuple:
             [list(s[:3]) for s in rank_layout["segments"]])
 
 
-def _read_rank(ckpt: Path, meta: dict, rank: int) -> tuple[dict[str, Tensor], dict]:
+def _read_rank(ckpt: Path, meta: dict, rank: int, lazy: bool = False
+               ) -> tuple[dict[str, Tensor | Lazy], dict]:
     st, js = rank_files(ckpt, rank)
     if not st.is_file() or not js.is_file():
         raise CheckpointError(f"'{ckpt}' lacks the files of rank {rank} ({st.name}); the "
@@ -176,9 +185,27 @@ def _read_rank(ckpt: Path, meta: dict, rank: int) -> tuple[dict[str, Tensor], di
         if k not in rmeta:
             raise CheckpointError(f"'{js}' is damaged: it lacks '{k}'")
     try:
+        if lazy:
+            return _lazy_file(st), rmeta
         return load_file(st), rmeta
     except Exception as e:  # safetensors' own errors: name the file, not the parser
         raise CheckpointError(f"'{st}' is damaged ({e})") from None
+
+
+def _lazy_file(st: Path) -> dict[str, Tensor | Lazy]:
+    """The file's tensors; masters and elementwise optimizer states as `Lazy` ones, each
+    read (safetensors reads one key) only when loaded."""
+    f = safe_open(str(st), "pt")
+    dtypes = {v: k for k, v in stream.NAMES.items()}
+    out: dict[str, Tensor | Lazy] = {}
+    names = f.keys()
+    for k in names:
+        if k.startswith(("strategy.", "optim.")) and k.split(".")[-1] not in SCALAR_STATES:
+            sl = f.get_slice(k)
+            out[k] = Lazy(sl.get_shape(), dtypes[sl.get_dtype()], partial(f.get_tensor, k))
+        else:
+            out[k] = f.get_tensor(k)
+    return out
 
 
 def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dict[str, Any]:
@@ -199,20 +226,22 @@ def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dic
             "buffers": buffers}
 
 
-def resliced(saved: SavedShards, template: dict, rng_rank: int | None = None
-             ) -> dict[str, Any]:
+def resliced(saved: SavedShards, template: dict, rng_rank: int | None = None,
+             lazy: bool = False) -> dict[str, Any]:
     """Cut saved full-parameter state along the template's layout, reading only this
     rank's ranges. `saved`: every rank's shards of a checkpoint (`SavedShards`), or any
     object with its reader(kind), state_names(params), scalars and buffers() (a DeepSpeed
     checkpoint: zerotrain/deepspeed/checkpoint.py). The RNG comes from rank `rng_rank`'s
     file when given (the same world size); otherwise it is not carried over: rank r of
-    another world size is another stream."""
+    another world size is another stream. `lazy`: masters and elementwise states as
+    `Lazy` tensors, each cut from the files when loaded."""
     layout, cut = template["meta"]["layout"], template["meta"]["rank_layout"]
     strategy: dict[str, Tensor] = {}
     for ui, unit in enumerate(layout["units"]):
         lo, hi = cut["opt_ranges"][ui]
         dtype = template["strategy"][f"master.{ui}"].dtype
-        strategy[f"master.{ui}"] = gather_range(unit, lo, hi, saved.reader("master"), dtype)
+        strategy[f"master.{ui}"] = _ranged(lazy, [hi - lo], unit, lo, hi, saved.reader("master"),
+                                           dtype)
     state: dict[int, dict[str, Any]] = {}
     for idx, (ui, a, b, shape) in enumerate(cut["segments"]):
         unit = layout["units"][ui]
@@ -226,12 +255,20 @@ def resliced(saved: SavedShards, template: dict, rng_rank: int | None = None
                 st[name] = torch.tensor(float(value), dtype=torch.float32)
             else:
                 dtype = strategy[f"master.{ui}"].dtype
-                st[name] = gather_range(unit, a, b, saved.reader(name), dtype).view(shape)
+                st[name] = _ranged(lazy, shape, unit, a, b, saved.reader(name), dtype)
         if st:
             state[idx] = st
     rng = {} if rng_rank is None else saved.rank_tensors(rng_rank, "rng.")
     return {"strategy": strategy, "optimizer": {"state": state}, "rng": rng,
             "buffers": saved.buffers()}
+
+
+def _ranged(lazy: bool, shape: list[int], unit: dict, a: int, b: int, read: Any,
+            dtype: torch.dtype) -> Tensor | Lazy:
+    """Elements [a, b) of `unit` from `read`, in `shape` (as a `Lazy` tensor if `lazy`)."""
+    def cut() -> Tensor:
+        return gather_range(unit, a, b, read, dtype).view(shape)
+    return Lazy(shape, dtype, cut) if lazy else cut()
 
 
 # ----------------------------------------------------------------------------- checks

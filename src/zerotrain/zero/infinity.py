@@ -18,7 +18,7 @@ Two parts, each over a `Tier` (zero/tier.py):
 
 Persistent units (under `zero.param_persistence_threshold`) keep their shard: it is a
 view of their gathered buffer. Checkpoints see the same tensors as without a tier
-(`resident`: brought back before a save or load), so the format is tier-independent.
+(read one at a time through `zero.lazy`), so the format is tier-independent.
 """
 
 from __future__ import annotations
@@ -345,16 +345,21 @@ class Streamed(UnitByUnit):
         for p in self._placed(u):
             p.settle()
 
-    def resident(self) -> None:
-        """Everything in memory (a checkpoint save or load, a norm check): the next step
-        sends it back."""
-        s = self.s
-        by_unit = self._by_unit()
+    def placed_all(self) -> list[Placed]:
+        """Every master and moment kept in the tier (the optimizer's new tensors bound)."""
+        s, by_unit = self.s, self._by_unit()
         for u in s.units:
             if u.index in by_unit and getattr(s, "_optimizer", None) is not None:
                 self._bind_states(u, by_unit[u.index])
+        return [p for u in s.units for p in self._placed(u)]
+
+    def resident(self) -> None:
+        """Everything in memory (a load of weights from another source): the next step
+        sends it back. A checkpoint reads them one at a time instead (`lazy_states`)."""
+        self.placed_all()
+        for u in self.s.units:
             self.fetch(u)
-        for u in s.units:
+        for u in self.s.units:
             self.ready(u)
             for p in self._placed(u):
                 p.dirty = True

@@ -40,8 +40,9 @@ from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import UnitSpec, blocks
-from zerotrain.zero.flat import NamedParams
-from zerotrain.zero.infinity import Tiers
+from zerotrain.zero.flat import NamedParams, gather_range
+from zerotrain.zero.infinity import Streamed, Tiers
+from zerotrain.zero.lazy import Lazy, from_tier
 from zerotrain.zero.tier import Tier
 from zerotrain.zero.unit import ShardedUnit
 from zerotrain.zero.zero2 import ZeRO2
@@ -222,23 +223,82 @@ class ZeRO3(ZeRO2):
     def describe(self) -> list[str]:
         return super().describe() + [line for t in self.moving_tiers() for line in t.describe()]
 
-    # A checkpoint reads and writes masters and moments in memory: bring them back first
-    # (the next step sends them to their tier again). The format stays the tiers'-free one.
-    def state_dict(self) -> dict[str, Tensor]:
-        self.updater.resident()
+    # A checkpoint reads and writes masters and moments one at a time: those in a tier
+    # (`Streamed`) are `Lazy` tensors read from it when written out, and a load fills
+    # them unit by unit, each sent back before the next; the format stays the tiers'-free.
+    def lazy_states(self) -> dict[int, Lazy]:
+        """By id of its tensor: every master and moment that lives in a tier."""
+        if not isinstance(self.updater, Streamed):
+            return {}
+        return {id(p.t): from_tier(p) for p in self.updater.placed_all() if p.moves}
+
+    def state_dict(self, lazy: bool = False) -> dict[str, Tensor]:
+        """`lazy`: states in a tier stay there (the caller wraps them: `lazy_states`)."""
+        if not lazy:
+            self.updater.resident()
         return super().state_dict()
 
-    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
-        self.updater.resident()
-        super().load_state_dict(sd)
+    def load_state_dict(self, sd: dict[str, Tensor | Lazy]) -> None:
+        if not isinstance(self.updater, Streamed):
+            return super().load_state_dict({k: v.load() if isinstance(v, Lazy) else v
+                                            for k, v in sd.items()})
+
+        def master(u: ShardedUnit) -> Tensor:
+            v = sd[f"master.{u.index}"]
+            return v.load() if isinstance(v, Lazy) else v
+        self._fill_masters(master)
 
     def load_weights(self, read) -> None:
-        self.updater.resident()
-        super().load_weights(read)
+        if not isinstance(self.updater, Streamed):
+            return super().load_weights(read)
+        self._fill_masters(lambda u: gather_range(u.layout(), *self.opt_range(u), read,
+                                                  u.master.dtype))
+
+    def _fill_masters(self, value) -> None:
+        """Each unit's master from `value(u)`, published, and (in a tier) sent back
+        before the next unit's is read."""
+        up = self.updater
+        assert isinstance(up, Streamed)
+        up.placed_all()
+        with torch.no_grad():
+            for u in self.units:
+                p = up.masters.get(u.index)
+                if p is not None:
+                    p.claim()
+                u.master.copy_(value(u))
+                self.publish(u)
+                up.evict(u)
+                up.settle(u)
+            self.wait_pending()
+        self.after_publish()
+
+    def fill_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer's load: its `Lazy` moments read one unit at a time, each
+        bound to its home in the tier and sent back before the next."""
+        up = self.updater
+        if not isinstance(up, Streamed):
+            return
+        self._optimizer = optimizer
+        for u in self.units:
+            views = [v for seg, v in self.opt_segments if seg.unit == u.index]
+            for view in views:
+                st = optimizer.state.get(view, {})
+                for name, v in list(st.items()):
+                    if isinstance(v, Lazy):
+                        t = v.load().to(device=view.device)
+                        st[name] = t.to(view.dtype) if view.is_floating_point() else t
+            up.placed_all()
+            up.evict(u)
+            up.settle(u)
 
     def weights_finite(self) -> bool:
-        self.updater.resident()
-        return super().weights_finite()
+        away = self.lazy_states()
+
+        def master(u: ShardedUnit) -> Tensor:
+            v = away.get(id(u.master))
+            return u.master if v is None else v.load()
+        bad = any(not bool(torch.isfinite(master(u)).all()) for u in self.units)
+        return float(self.comm.all_reduce_scalars([float(bad)], op="max")[0]) == 0.0
 
     def close(self) -> None:
         try:
