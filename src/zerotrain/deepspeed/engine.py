@@ -266,7 +266,7 @@ class DeepSpeedEngine(Engine):
         from zerotrain.checkpoint import save
 
         self.extra_meta["deepspeed"] = self._compat_state()
-        save(self.state_dict(), save_dir, step=self.global_step, rank=self.rank,
+        save(self.state_dict(lazy=True), save_dir, step=self.global_step, rank=self.rank,
              world=self.world_size, keep=self.config.checkpoint.keep, client_state=client_state
              if client_state is not None else {}, name=str(tag) if tag is not None
              else f"global_step{self.global_step}", latest=save_latest)
@@ -296,7 +296,9 @@ class DeepSpeedEngine(Engine):
             return None, None
         src = root / str(tag) if tag is not None else root
         keep_optimizer = load_optimizer_states and not load_module_only
-        sd, info = load(src, self.state_dict(), self.rank, reset_optimizer=not keep_optimizer)
+        # lazy: states in an NVMe tier are read and filled one unit at a time
+        sd, info = load(src, self.state_dict(lazy=not load_module_only), self.rank,
+                        reset_optimizer=not keep_optimizer)
         if load_module_only:
             self.strategy.load_state_dict(sd["strategy"])
             self._load_buffers(sd.get("buffers", {}))

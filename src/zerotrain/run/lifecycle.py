@@ -30,6 +30,7 @@ from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.io import latest_name
 from zerotrain.comm.launch import EXIT_INTERRUPTED
 from zerotrain.config import FaultConfig  # EX_TEMPFAIL: try again later
+from zerotrain.zero.lazy import Lazy
 
 _PR_SET_PDEATHSIG = 1
 __all__ = ["EXIT_INTERRUPTED", "Interrupted", "Preemption", "die_with_parent",
@@ -167,8 +168,9 @@ def disk_full(e: BaseException) -> bool:
 
 
 def tensor_bytes(x: Any) -> int:
-    """Bytes of every tensor in a nested state dict."""
-    if isinstance(x, torch.Tensor):
+    """Bytes of every tensor in a nested state dict (tier states as `Lazy`: counted from
+    their shape, never read)."""
+    if isinstance(x, torch.Tensor | Lazy):
         return x.numel() * x.element_size()
     if isinstance(x, dict):
         return sum(tensor_bytes(v) for v in x.values())

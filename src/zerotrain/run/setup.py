@@ -135,7 +135,7 @@ class Run:
             if not disk_full(e):
                 raise
             raise disk_full_error(e, self.ckpt_root, eng.global_step,
-                                  tensor_bytes(eng.state_dict())) from None
+                                  tensor_bytes(eng.state_dict(lazy=True))) from None
 
     def loss_finite(self) -> bool:
         """Whether the latest step's loss was finite on every rank (the same answer on
