@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv-bench: a separate virtual environment for bench/peers.py, holding
 # zerotrain (editable), the pinned CPU torch, DeepSpeed (installed --no-deps so it can
-# never replace torch) and the few packages DeepSpeed really imports, plus py-spy for
-# profiling. The project's own .venv is left untouched.
+# never replace torch) and the few packages DeepSpeed really imports, transformers (the
+# long-sequence peers' models), plus py-spy for profiling. The project's own .venv is left untouched.
 #
 #   bash bench/setup_peers.sh            # create or update .venv-bench
 #   VENV=/tmp/venv-bench bash bench/setup_peers.sh
@@ -32,6 +32,9 @@ PIP=("$VENV/bin/python" -m pip install --quiet)
 # (CPU ops are JIT-built by ninja on first use, if a config needs them).
 DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "${PIP[@]}" --no-deps --no-build-isolation \
     "deepspeed==$DEEPSPEED_VERSION"
+# The Hugging Face models the peers train (bench/longctx.py: FSDP2 and DeepSpeed on an HF
+# Llama with HF activation checkpointing), torch pinned so it cannot pull another build.
+"${PIP[@]}" "torch==$TORCH_VERSION" "transformers>=4.40"
 # Profiling tools for the report in bench/README.md.
 "${PIP[@]}" py-spy
 
