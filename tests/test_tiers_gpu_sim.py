@@ -265,3 +265,60 @@ def test_nvme_tier_stages_a_device_tensor_through_pinned_host_memory(monkeypatch
             assert tier.counter.read >= 6000
     finally:
         tier.close()
+
+
+def test_param_tier_on_a_device_reads_fenced_and_writes_behind(monkeypatch):
+    """infinity.ParamTier over the host tier with device shards: place releases each
+    shard once its store landed; a gather's read is fenced by the load's event; release
+    after the gather copies nothing (clean); overwrite hands out memory without a read;
+    written shards go back behind the next one (depth 1) and come back bit-exactly."""
+    from types import SimpleNamespace
+
+    from zerotrain.zero.infinity import ParamTier
+
+    rt = _Runtime()
+    rt.install(monkeypatch)
+    with SimDevice(), _Copies(rt):
+        pt = ParamTier(HostTier(CUDA), depth=1)
+        units, refs = [], []
+        for i in range(2):
+            t, ref = _device_tensor(100 + i, 10 + i)
+            units.append(SimpleNamespace(index=i, persistent=False, shard=t))
+            refs.append(ref)
+            pt.place(units[-1])
+            _poison(t)
+        rt.log.clear()
+        u0 = units[0]
+        pt.fetch(u0)
+        pt.ready(u0)
+        assert [x[0] for x in _after(rt.log, 0)] == ["wait_stream", "copy", "record",
+                                                     "wait_event"]
+        assert torch.equal(u0.shard.cpu().view(torch.int16), refs[0].view(torch.int16))
+        assert len(pt.loads) == 1
+        pt.release(u0)
+        assert rt.log == [] and u0.shard.untyped_storage().nbytes() == 0  # clean: no copy
+        new, stores = [], []
+        for u in units:
+            rt.log.clear()
+            pt.overwrite(u)
+            assert rt.log == []  # no read for a whole write
+            assert u.shard.untyped_storage().nbytes() == u.shard.numel() * 2
+            with torch.no_grad():
+                u.shard.copy_(torch.full((u.shard.numel(),), 3.0 + u.index))
+            new.append(u.shard.cpu().clone())
+            rt.log.clear()
+            pt.written(u)
+            stores.append(rt.log[2][2])  # the store's event
+            assert rt.log[:3] == [("wait_stream", "side", "compute"),
+                                  ("copy", "side", "cpu<-meta"), ("record", "side", stores[-1])]
+        # unit 0's store was synchronized, then its memory released, when unit 1's began
+        assert rt.log[3:] == [("sync_event", stores[0]), ("wait_event", "compute", stores[0])]
+        assert not units[0].shard.untyped_storage().nbytes() and pt.writing == [pt.placed[1]]
+        assert units[1].shard.untyped_storage().nbytes()  # the newest is still in flight
+        pt.settle_all()
+        for u, want in zip(units, new):
+            assert u.shard.untyped_storage().nbytes() == 0
+            _poison(u.shard)
+            pt.ready(u)
+            assert torch.equal(u.shard.cpu().view(torch.int16), want.view(torch.int16))
+        pt.tier.close()
