@@ -312,6 +312,14 @@ def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
     both = longest("--tile-tokens", "512", "--activation-checkpointing")["rows"][0]["max_seq"]
     off = longest("--tile-tokens", "512", "--activation-checkpointing", "offload")["rows"][0]
     assert n < tiled < both < off["max_seq"] and off["max_seq_activation_host_bytes"] > 0
+    # sequence.parallel 2: each rank takes T/2 tokens, so the answer is a multiple of 2 —
+    # it fits and the next multiple does not — and it is longer than without SP
+    path.write_text(path.read_text() + "sequence: {parallel: 2}\n")
+    sp_cfg = load_config(str(path))
+    m = longest()["rows"][0]["max_seq"]
+    assert m % 2 == 0 and m > n
+    assert fixed + config_activations(sp_cfg, 1, m, device="cuda").peak <= 2**30
+    assert fixed + config_activations(sp_cfg, 1, m + 2, device="cuda").peak > 2**30
 
 
 class _Recording:

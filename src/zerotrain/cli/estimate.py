@@ -274,7 +274,8 @@ def _longest(s: dict, row: Row) -> dict:
         acts = config_activations(s["config"], s["micro_batch"], seq, device=s["device"])
         return row_estimate({**s, "activations": acts.peak}, row)[0]
 
-    longest = max_seq(lambda seq: _fits(s, at(seq))[0] is not False)
+    longest = max_seq(lambda seq: _fits(s, at(seq))[0] is not False,
+                      multiple=s["config"].sequence.parallel)
     host = at(longest).host_total if longest else 0
     acts = config_activations(s["config"], s["micro_batch"], longest, device=s["device"]) \
         if longest else None

@@ -234,15 +234,17 @@ def config_activations(cfg: Any, micro_batch: int | None = None, seq: int | None
         sequence_parallel=cfg.sequence.parallel)
 
 
-def max_seq(fits: Any, lo: int = 1, hi: int = 1 << 24) -> int:
-    """The longest sequence for which `fits(seq)` holds (monotone), by bisection; 0 if
-    not even `lo` fits."""
-    if not fits(lo):
+def max_seq(fits: Any, lo: int = 1, hi: int = 1 << 24, multiple: int = 1) -> int:
+    """The longest sequence, a multiple of `multiple` (sequence parallelism's S: each
+    rank takes T/S tokens), for which `fits(seq)` holds (monotone), by bisection; 0 if
+    not even the first such length fits."""
+    k_lo, k_hi = max(1, -(-lo // multiple)), hi // multiple
+    if k_hi < k_lo or not fits(k_lo * multiple):
         return 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
+    while k_lo < k_hi:
+        mid = (k_lo + k_hi + 1) // 2
+        if fits(mid * multiple):
+            k_lo = mid
         else:
-            hi = mid - 1
-    return lo
+            k_hi = mid - 1
+    return k_lo * multiple
