@@ -349,9 +349,8 @@ def predict_peaks(cfg: Config, world: int, stage: int, offload: bool | str = Fal
 
     opt = offload if isinstance(offload, str) else "cpu" if offload else "none"
     cfg = cfg.model_copy(update={"zero": cfg.zero.model_copy(update={
-        "offload_optimizer": opt, "offload_param": offload_param})})
+        "stage": stage, "offload_optimizer": opt, "offload_param": offload_param})})
     model = build_model(cfg.model, device="meta")
-    cfg = cfg.model_copy(update={"zero": cfg.zero.model_copy(update={"stage": stage})})
     shape = run_shape(strategy_class(cfg.zero), cfg, model, plan_for(model), device, world)
     act = config_activations(cfg, micro_batch, seq, device=device).peak
     phases = phase_estimates(shape, act)

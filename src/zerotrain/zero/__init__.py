@@ -36,22 +36,23 @@ from zerotrain.zero.zero2 import ZeRO2
 from zerotrain.zero.zero3 import ZeRO3
 
 STAGES: dict[int, type[Strategy]] = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
-PLACEMENTS: dict[str, type[Placement]] = {"none": OnDevice, "cpu": HostOffload}
+#: by `zero.offload_optimizer` (nvme: ZeRO-Infinity's, streaming what ZeRO-Offload keeps
+#: in host memory)
+PLACEMENTS: dict[str, type[Placement]] = {"none": OnDevice, "cpu": HostOffload,
+                                          "nvme": NvmeOffload}
 
 
-#: every kind training builds, by (stage, offloads anything): a catalogue made from the
-#: parts (the estimate's rows), not a class per combination
+#: every resident kind, by (stage, offloads anything): a catalogue made from the parts
+#: (the estimate's rows), not a class per combination; the nvme placement is not in it
 STRATEGIES: dict[tuple[int, bool], Kind] = {
-    (stage, bool(p.offloads)): Kind(cls, p) for stage, cls in STAGES.items()
-    for p in PLACEMENTS.values() if not p.offloads or can_offload(cls.shards)}
+    (stage, bool(PLACEMENTS[p].offloads)): Kind(cls, PLACEMENTS[p])
+    for stage, cls in STAGES.items() for p in ("none", "cpu")
+    if not PLACEMENTS[p].offloads or can_offload(cls.shards)}
 
 
 def strategy_class(cfg: ZeroConfig) -> Kind:
-    """The stage class and the placement of `cfg` (`nvme`: ZeRO-Infinity's, which is not
-    in the catalogue: it streams what ZeRO-Offload keeps in host memory)."""
-    placement = NvmeOffload if cfg.offload_optimizer == "nvme" else \
-        PLACEMENTS[cfg.offload_optimizer]
-    return Kind(STAGES[cfg.stage], placement)
+    """The stage class and the placement of `cfg`."""
+    return Kind(STAGES[cfg.stage], PLACEMENTS[cfg.offload_optimizer])
 
 
 def make_tiers(cfg: ZeroConfig, device: torch.device, rank: int, elementwise: bool
