@@ -26,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from pathlib import Path
 
 
@@ -80,28 +79,11 @@ def worker(args) -> dict:
     import torch
 
     from zerotrain.checkpoint import load, save
-    from zerotrain.zero import zero3
+    from zerotrain.zero.lazy import LoadMeter
 
     root = Path(args.dir) / args.mode
     shutil.rmtree(root, ignore_errors=True)
     (root / "swap").mkdir(parents=True)
-    live = {"now": 0, "peak": 0}
-    real = zero3.from_tier
-
-    def from_tier(p):
-        lz = real(p)
-        inner = lz._load
-
-        def counted():
-            x = inner()
-            n = x.numel() * x.element_size()
-            live["now"] += n
-            live["peak"] = max(live["peak"], live["now"])
-            weakref.finalize(x, lambda: live.__setitem__("now", live["now"] - n))
-            return x
-        lz._load = counted
-        return lz
-    zero3.from_tier = from_tier
 
     eng = engine(args, root / "swap")
     x = torch.randint(0, 256, (2, 16))
@@ -112,7 +94,7 @@ def worker(args) -> dict:
            "states_MiB": sum(u.shard_numel for u in units) * 12 / 2**20,
            "unit_states_MiB": max(u.shard_numel for u in units) * 12 / 2**20}
     t0 = time.perf_counter()
-    with Peak() as p:
+    with Peak() as p, LoadMeter() as live:
         assert eng.strategy.weights_finite()
         if args.mode == "streamed":
             ckpt = eng.save_checkpoint(root / "ckpt")
@@ -120,7 +102,7 @@ def worker(args) -> dict:
             ckpt = save(eng.state_dict(), root / "ckpt", step=eng.global_step, rank=0,
                         world=1, keep=1)
     out.update(save_s=time.perf_counter() - t0, save_rise_MiB=p.rise / 2**20,
-               save_live_MiB=live["peak"] / 2**20 if args.mode == "streamed" else None)
+               save_live_MiB=live.peak / 2**20 if args.mode == "streamed" else None)
     eng.close()
     fresh = engine(args, root / "swap")
     t0 = time.perf_counter()

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zerotrain.checkpoint import stream
-from zerotrain.zero import infinity, zero3
+from zerotrain.zero import infinity
+from zerotrain.zero.lazy import LoadMeter
 
 from zero_harness import batches, full_params, local_batch, make_config
 
@@ -135,30 +136,7 @@ def test_tier_checkpoint_is_save_files_and_equals_no_tier(tmp_path):
     assert files["nvme"] == files["plain"]
 
 
-def _tracked_loads(monkeypatch) -> dict[str, int]:
-    """Bytes of states read from the tier and still alive: now, and the most at once."""
-    seen = {"live": 0, "peak": 0, "total": 0}
-    real = zero3.from_tier
-
-    def from_tier(p):
-        lz = real(p)
-        load = lz._load
-
-        def counted():
-            t = load()
-            n = t.numel() * t.element_size()
-            seen["live"] += n
-            seen["total"] += n
-            seen["peak"] = max(seen["peak"], seen["live"])
-            weakref.finalize(t, lambda: seen.__setitem__("live", seen["live"] - n))
-            return t
-        lz._load = counted
-        return lz
-    monkeypatch.setattr(zero3, "from_tier", from_tier)
-    return seen
-
-
-def test_save_holds_about_one_unit_of_states(tmp_path, monkeypatch):
+def test_save_holds_about_one_unit_of_states(tmp_path):
     """During a save (with the finite-weights check before it) of an NVMe run, the
     states read from the tier and alive at once never exceed one unit's — far under
     half of them all; every state is read, and all are back in the tier after."""
@@ -167,15 +145,15 @@ def test_save_holds_about_one_unit_of_states(tmp_path, monkeypatch):
     per_unit = _unit_bytes(eng)
     total = sum(per_unit.values())
     assert len(per_unit) >= 4
-    seen = _tracked_loads(monkeypatch)
-    assert eng.strategy.weights_finite()
-    eng.save_checkpoint(tmp_path / "ckpt")
+    with LoadMeter() as seen:
+        assert eng.strategy.weights_finite()
+        eng.save_checkpoint(tmp_path / "ckpt")
     assert not any(p.resident for p in _placed(eng))  # nothing left in memory
     eng.close()
     # what resident() would have held: every master and moment at once
-    assert seen["total"] >= total
-    assert seen["peak"] <= max(per_unit.values()) < total / 2
-    print(f"states {total} B in {len(per_unit)} units; save peak {seen['peak']} B")
+    assert seen.total >= total
+    assert seen.peak <= max(per_unit.values()) < total / 2
+    print(f"states {total} B in {len(per_unit)} units; save peak {seen.peak} B")
 
 
 @pytest.mark.parametrize("source", ["same", "other_stage"])

@@ -3,8 +3,9 @@ an offload tier (ZeRO-Infinity), brought in only while its bytes are written or 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -51,6 +52,35 @@ def flat_slice(v: Tensor | Lazy, a: int, b: int) -> Tensor | Lazy:
     return v.flat(a, b) if isinstance(v, Lazy) else v.reshape(-1)[a:b]
 
 
+class LoadMeter:
+    """Bytes of tier states a checkpoint has loaded and not yet let go: `live` now,
+    `peak` the most at once, `total` all read — what a streamed save or load holds of
+    an offloaded run's states beyond the run itself. Counts while installed with
+    `with LoadMeter() as m:`."""
+
+    active: ClassVar[list[LoadMeter]] = []
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.total = 0
+
+    def __enter__(self) -> LoadMeter:
+        LoadMeter.active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        LoadMeter.active.remove(self)
+
+    def loaded(self, t: Tensor) -> None:
+        n = t.nbytes
+        self.live += n
+        self.total += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._freed, n)
+
+    def _freed(self, n: int) -> None:
+        self.live -= n
+
+
 def from_tier(p: Any) -> Lazy:
     """A tensor that lives in an offload tier (`zero.tier.Placed`), read from it straight
     into fresh host memory when loaded; the tensor's own state (away, clean) is left as
@@ -68,7 +98,10 @@ def from_tier(p: Any) -> Lazy:
         c = p.tier.counter
         with c.lock:
             c.read -= out.nbytes
-        return out.view(t.shape)
+        out = out.view(t.shape)
+        for meter in LoadMeter.active:
+            meter.loaded(out)
+        return out
     return Lazy(t.shape, t.dtype, load)
 
 
