@@ -68,12 +68,11 @@ class Documents:
         """[B, 1, T, T] additive mask: 0 where query i may read key j (same document,
         j <= i), -inf elsewhere. Made once per dtype and forward, shared by the layers."""
         m = self._masks.get(dtype)
-        if m is None:
-            T = self.ids.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=self.ids.device).tril_()
-            allowed = (self.ids[:, :, None] == self.ids[:, None, :]) & causal
+        if m is None:  # built in place: B·T² bytes of booleans beside the mask, no more
+            allowed = (self.ids[:, :, None] == self.ids[:, None, :]).tril_()
             m = torch.zeros(allowed.shape, dtype=dtype, device=self.ids.device)
-            m.masked_fill_(~allowed, float("-inf"))
+            m.masked_fill_(allowed.logical_not_(), float("-inf"))
+            del allowed
             self._masks[dtype] = m = m.unsqueeze(1)
         return m
 
