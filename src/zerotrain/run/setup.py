@@ -76,10 +76,13 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def val_bytes_per_token(engine: Engine, batches: Batches, tok: Tokenizer) -> float:
-    """Text bytes per target token of the validation set (for bits per byte)."""
+    """Text bytes per target token of the validation set (for bits per byte); with
+    data.document_mask, of the scored targets (none predicted at an EOS)."""
     lengths = torch.from_numpy(token_byte_lengths(tok).astype("float64"))
-    local = [sum(float(lengths[y].sum()) for _, y in batches),
-             float(sum(y.numel() for _, y in batches))]
+    eos = engine.docs.eos if engine.docs is not None else None
+    scored = [y[x != eos] if eos is not None else y for x, y in batches]
+    local = [sum(float(lengths[y].sum()) for y in scored),
+             float(sum(y.numel() for y in scored))]
     total = engine.comm.all_reduce_scalars(local)
     return float(total[0] / total[1])
 
