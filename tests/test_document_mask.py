@@ -198,6 +198,10 @@ def test_bare_hf_model_library_mode(tmp_path):
             with torch.no_grad():
                 total += float(ref(input_ids=x[r:r + 1, a:b], labels=x[r:r + 1, a:b]).loss) * n
             count += n
+    pad = torch.ones_like(x)
+    pad[0, :2] = 0
+    with pytest.raises(ValueError, match="padding attention_mask is not supported"):
+        eng(input_ids=x, labels=x, attention_mask=pad)
     eng.close()
     assert abs(float(out.loss) - total / count) <= 1e-5 * total / count
 
@@ -252,7 +256,8 @@ def test_off_is_unchanged():
     assert DataConfig().document_mask is False
     out = {}
     for on in (False, True):
-        cfg = config("llama", extra={"data": {"document_mask": on}})
+        cfg = config("llama", extra={"data": {"document_mask": on,
+                                              "eos_token_id": EOS if on else None}})
         eng = built_engine(cfg)
         assert (eng.docs is None) == (not on)
         with torch.no_grad():
@@ -280,6 +285,9 @@ def test_no_eos_known_is_one_config_error():
                          ByteTokenizer()).eos_token_id == 10
     with pytest.raises(ConfigError, match=r"data\.eos_token_id"):
         build_config(deep_merge(BASE, {"data": {"eos_token_id": -1}}))
+    with pytest.raises(ConfigError, match=r"data\.eos_token_id \(7\) is used by "
+                                          r"data\.document_mask only"):
+        build_config(deep_merge(BASE, {"data": {"document_mask": False}}))
 
 
 def test_documents_of_a_batch():

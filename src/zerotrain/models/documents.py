@@ -169,6 +169,11 @@ class DocumentMasking:
         ids = args[0] if args else kwargs[key] if key is not None else None
         if ids is None:
             raise ValueError("data.document_mask: pass the token ids first or as input_ids=")
+        pad = kwargs.get("attention_mask")
+        if pad is not None and not bool(pad.bool().all()):
+            raise ValueError("data.document_mask: a padding attention_mask is not supported "
+                             "(documents are packed, not padded); pass none, or pad only "
+                             "on the right with -100 labels and no attention_mask")
         if len(args) > 1 and args[1] is not None:
             args[1] = mask_targets(args[1], ids, self.eos)
         if kwargs.get("targets") is not None:
