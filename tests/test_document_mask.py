@@ -140,7 +140,7 @@ def check_against_reference(make, tile: int | None = None) -> None:
     ref_loss, ref_logits = reference(ref_model, x, y)
     ref_loss.backward()
     want = grads(ref_model)
-    loss, ref_loss = float(loss), float(ref_loss)
+    loss, ref_loss = loss.item(), ref_loss.item()
     assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (loss, ref_loss)
     assert got.keys() == want.keys()
     for n in want:
@@ -215,7 +215,7 @@ def _sp_run(kind: str, folder: str | None, sp: int, extra: dict) -> dict:
     eng.backward(loss)
     info = eng.step()
     eng.close()
-    return {"loss": float(loss), "norm": info.grad_norm}
+    return {"loss": loss.item(), "norm": info.grad_norm}
 
 
 SP_CASES = [("gpt", {"model": {"activation_checkpointing": True}}),

@@ -145,8 +145,9 @@ class DataConfig(_Section):
     document_mask: bool = Field(
         False, description="packed sequences: a token attends only to earlier tokens of its "
         "own document (documents end at data.eos_token_id), positions restart at 0 in each "
-        "document, and the prediction across a document boundary is not scored; false: "
-        "plain causal attention over the whole window")
+        "document, and the prediction across a document boundary is not scored (memory: "
+        "a [T x T] mask per sequence; docs/design.md §documents); false: plain causal "
+        "attention over the whole window")
     eos_token_id: int | None = Field(
         None, ge=0, description="the token that ends a document (data.document_mask); null: "
         "the tokenizer's end-of-text token, else the Hugging Face model's eos_token_id")
