@@ -13,8 +13,6 @@ sequence tiling, and Ulysses sequence parallelism S = 2 (gloo). With the option 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers
@@ -179,31 +177,44 @@ def test_hf_checkpointed_through_engine_wiring(tmp_path):
     check_against_reference(make)
 
 
-def test_bare_hf_model_library_mode(tmp_path):
-    """A transformers model given to the engine, called HF's way (input_ids, unshifted
-    labels): position_ids restart per document, the first label of each is ignored."""
+def bare_hf_loss(folder: str, sp: int) -> float:
+    """A transformers model given to the engine (library mode), called HF's way
+    (input_ids, unshifted labels; every rank the whole batch); EOS: its config's."""
     from zerotrain.engine import Engine
 
-    folder = hf_llama_folder(tmp_path)
     model = transformers.LlamaForCausalLM.from_pretrained(folder)
-    ref = copy.deepcopy(model)
+    cfg = build_config(deep_merge(BASE, {"data": {"eos_token_id": None},
+                                         "sequence": {"parallel": sp}}), library=True)
+    eng = Engine(model, cfg, torch.device("cpu"))
     x, _ = batch()
-    cfg = build_config(deep_merge(BASE, {"data": {"eos_token_id": None}}), library=True)
-    eng = Engine(model, cfg, torch.device("cpu"))  # EOS: the model's config.eos_token_id
     out = eng(input_ids=x, labels=x)
-    total, count = 0.0, 0
-    for r, a, b in documents(x):  # HF alone on each document: its own labels
-        n = b - a - 1
-        if n:
-            with torch.no_grad():
-                total += float(ref(input_ids=x[r:r + 1, a:b], labels=x[r:r + 1, a:b]).loss) * n
-            count += n
     pad = torch.ones_like(x)
     pad[0, :2] = 0
     with pytest.raises(ValueError, match="padding attention_mask is not supported"):
         eng(input_ids=x, labels=x, attention_mask=pad)
     eng.close()
-    assert abs(float(out.loss) - total / count) <= 1e-5 * total / count
+    return out.loss.item()
+
+
+def bare_hf_reference(folder: str) -> float:
+    """HF alone on each document, its own labels: the mean over every scored label."""
+    ref = transformers.LlamaForCausalLM.from_pretrained(folder)
+    x, _ = batch()
+    total, count = 0.0, 0
+    for r, a, b in documents(x):
+        n = b - a - 1
+        if n:
+            with torch.no_grad():
+                total += float(ref(input_ids=x[r:r + 1, a:b], labels=x[r:r + 1, a:b]).loss) * n
+            count += n
+    return total / count
+
+
+def test_bare_hf_model_library_mode(tmp_path):
+    """position_ids restart per document, the first label of each is ignored."""
+    folder = hf_llama_folder(tmp_path)
+    want = bare_hf_reference(folder)
+    assert abs(bare_hf_loss(folder, 1) - want) <= 1e-5 * want
 
 
 def _sp_run(kind: str, folder: str | None, sp: int, extra: dict) -> dict:
@@ -223,7 +234,8 @@ SP_CASES = [("gpt", {"model": {"activation_checkpointing": True}}),
 
 
 def _sp_cases(folder: str) -> list[dict]:
-    return [_sp_run(k, folder if k == "hf" else None, 2, ex) for k, ex in SP_CASES]
+    return [_sp_run(k, folder if k == "hf" else None, 2, ex) for k, ex in SP_CASES] + [
+        {"bare": bare_hf_loss(folder, 2)}]
 
 
 def test_sequence_parallel_2(tmp_path):
@@ -232,6 +244,8 @@ def test_sequence_parallel_2(tmp_path):
     folder = hf_llama_folder(tmp_path)
     results = run_ranks(_sp_cases, 2, folder)
     x, y = batch()
+    bare = bare_hf_reference(folder)  # a bare HF model, its position_ids sliced by SP
+    assert all(abs(r[-1]["bare"] - bare) <= 1e-5 * bare for r in results)
     for (kind, extra), one, two in zip(SP_CASES, *results):
         cfg = config(kind, folder if kind == "hf" else None, extra)
         torch.manual_seed(0)
