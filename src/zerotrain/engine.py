@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,7 @@ from zerotrain.comm.dist import (
 from zerotrain.config import Config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import PhasePeaks, phase_estimates
-from zerotrain.models import Plan, plan_for
-from zerotrain.models.long_sequence import apply_long_sequence
+from zerotrain.models import Plan, long_sequence, plan_for
 from zerotrain.models.ulysses import SequenceParallel
 from zerotrain.numerics.fp8_linear import convert_to_fp8
 from zerotrain.numerics.guard import SpikeGuard
@@ -120,13 +119,12 @@ class Engine(DeepSpeedAPI):
         """The module's forward. With `sequence.parallel` S > 1, every rank of an SP group
         passes the same whole batch — `(idx, targets)` or `input_ids=..., labels=...` —
         and the engine keeps this rank's 1/S of the length; the loss returned is the whole
-        sequence's mean (logits, if returned, are this rank's slice)."""
+        sequence's mean (logits, if returned, are this rank's slice). With
+        `data.document_mask`, attention and positions stay within each packed document."""
         if self.fp8 is not None:
             self.fp8.counting = self.fp8_counts_at(self.global_step + 1)
         with self._phase("forward"):
-            if self.sp is not None:
-                return self.sp.forward(self.module, args, kwargs)
-            return self.module(*args, **kwargs)
+            return long_sequence.sequence_forward(self.module, self.sp, self.docs, args, kwargs)
 
     def _lay_out(self, model: nn.Module, plan: Plan | None, weights: WeightReader | None
                  ) -> None:
@@ -138,6 +136,7 @@ class Engine(DeepSpeedAPI):
         self.sp = SequenceParallel(config.sequence.parallel, self.comm, model) \
             if config.sequence.parallel > 1 else None
         self.dp_size = self.sp.dp_size if self.sp is not None else self.world_size
+        self.docs = long_sequence.document_masking(config.data, model)  # or None: off
         self.plan = plan or plan_for(model)
         self.strategy: Strategy = build_strategy(
             model, self.plan, self.policy, self.comm, config.zero, self.device,
@@ -146,8 +145,9 @@ class Engine(DeepSpeedAPI):
         if weights is not None:
             self.strategy.load_weights(weights)
         # long sequences: checkpointing of the plan's blocks, tiles of the head and MLP
-        note = apply_long_sequence(model, self.plan.blocks, config.model.activation_checkpointing,
-                                   config.sequence.tile_tokens, self.device)
+        note = long_sequence.apply_long_sequence(
+            model, self.plan.blocks, config.model.activation_checkpointing,
+            config.sequence.tile_tokens, self.device)
         if note and self.rank == 0:
             print(note, flush=True)
         # FP8 layers share the parameters the strategy just laid out (nothing moves); their
@@ -209,8 +209,7 @@ class Engine(DeepSpeedAPI):
         if self.spike_guard is not None:  # kept on the device: no sync per micro-step
             d = loss.detach().float()
             self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
-        with self._phase("backward"), (self.sp.backward_context() if self.sp is not None
-                                       else nullcontext()):
+        with self._phase("backward"), long_sequence.sequence_backward(self.sp, self.docs):
             (loss.float() * factor).backward()
 
     def step(self) -> StepInfo | None:

@@ -142,6 +142,15 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     micro_batch_size: int = Field(16, ge=1, description="sequences per rank per micro-step")
     grad_accum_steps: int = Field(1, ge=1)
+    document_mask: bool = Field(
+        False, description="packed sequences: a token attends only to earlier tokens of its "
+        "own document (documents end at data.eos_token_id), positions restart at 0 in each "
+        "document, and the prediction across a document boundary is not scored (memory: "
+        "a [T x T] mask per sequence; docs/design.md §documents); false: plain causal "
+        "attention over the whole window")
+    eos_token_id: int | None = Field(
+        None, ge=0, description="the token that ends a document (data.document_mask); null: "
+        "the tokenizer's end-of-text token, else the Hugging Face model's eos_token_id")
 
     @field_validator("path")
     @classmethod

@@ -115,4 +115,7 @@ def idle_settings(cfg: Config) -> list[str]:
     if z.stage < 3 and not z.prefetch:
         out.append(f"zero.prefetch false applies to zero.stage 3 only (this is stage "
                    f"{z.stage}); remove it")
+    if cfg.data.eos_token_id is not None and not cfg.data.document_mask:
+        out.append(f"data.eos_token_id ({cfg.data.eos_token_id}) is used by "
+                   "data.document_mask only; remove it or set data.document_mask true")
     return out

@@ -27,6 +27,12 @@ statistics, attention's log-sum-exp and the loss are fp32.
   output over all T tokens with H/S heads are the same size. The exchanges add their
   buffers (`exchange_bytes`, `EXCHANGE_COPIES`): beside attention's backward, and with
   checkpointing beside the recomputed block.
+- **document masking** (`data.document_mask`): one additive [b, 1, T, T] mask in the
+  activation dtype for the whole sequence — every rank builds it whole, sequence
+  parallelism does not divide it — held from the forward's start to the backward's end
+  (shared by the layers), plus each token's document id and position (int64); while it
+  is built a boolean [b, T, T] joins it. O(T²): 64 MiB per fp32 sequence at T = 4,096,
+  4 GiB at 32,768 (measured to the byte on CPU SDPA, tests/test_document_mask.py).
 """
 
 from __future__ import annotations
@@ -155,8 +161,21 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
                      act_bytes: int = 2, checkpointing: bool | str | None = None,
                      tile_tokens: int | None = None, device: str = "cuda",
                      hf_config: dict[str, Any] | None = None,
-                     sequence_parallel: int = 1) -> Activations:
+                     sequence_parallel: int = 1, document_mask: bool = False) -> Activations:
     """Saved, peak and host activation bytes of one rank's training step (module doc)."""
+    parts = _parts(model_cfg, micro_batch, seq, act_bytes, checkpointing, tile_tokens,
+                   device, hf_config, sequence_parallel)
+    if not document_mask:
+        return parts
+    mask = micro_batch * seq * seq * act_bytes  # the whole sequence's, on every rank
+    held = mask + 2 * 8 * micro_batch * seq  # + document ids and positions
+    return Activations(parts.saved + held, max(parts.peak + held,
+                                               mask + micro_batch * seq * seq), parts.host)
+
+
+def _parts(model_cfg: ModelConfig, micro_batch: int, seq: int, act_bytes: int,
+           checkpointing: bool | str | None, tile_tokens: int | None, device: str,
+           hf_config: dict[str, Any] | None, sequence_parallel: int) -> Activations:
     c = model_cfg
     sh = _shape(c, hf_config)
     mode = c.activation_checkpointing if checkpointing is None else checkpointing
@@ -231,7 +250,8 @@ def config_activations(cfg: Any, micro_batch: int | None = None, seq: int | None
         cfg.model, micro_batch or cfg.data.micro_batch_size, seq or cfg.model.block_size,
         act_bytes=activation_dtype_bytes(cfg.precision.dtype),
         tile_tokens=cfg.sequence.tile_tokens, device=device,
-        sequence_parallel=cfg.sequence.parallel)
+        sequence_parallel=cfg.sequence.parallel,
+        document_mask=bool(getattr(cfg.data, "document_mask", False)))
 
 
 def max_seq(fits: Any, lo: int = 1, hi: int = 1 << 24, multiple: int = 1) -> int:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from zerotrain.config import ModelConfig
 from zerotrain.models.checkpointing import apply_checkpointing
+from zerotrain.models.documents import document_positions
 from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.sampling import CausalLM
@@ -96,7 +97,10 @@ class GPT(CausalLM):
         if self.cfg.block_size < start + T:
             raise ValueError(f"sequence length {start + T} exceeds model.block_size "
                              f"{self.cfg.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)
+        # in-document positions with packed documents (models/documents.py)
+        pos = document_positions(start, T)
+        if pos is None:
+            pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:  # checkpointed per model.activation_checkpointing
             x = block(x)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from zerotrain.config import ConfigError, ModelConfig
 from zerotrain.models.checkpointing import apply_checkpointing
+from zerotrain.models.documents import document_positions
 from zerotrain.models.init import deferred_init, init_decoder_param
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.presets import resolve_model_config
@@ -37,14 +38,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(T: int, head_dim: int, theta: float, device: torch.device, start: int = 0
-                ) -> tuple[Tensor, Tensor]:
+def rope_tables(T: int, head_dim: int, theta: float, device: torch.device, start: int = 0,
+                positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """cos, sin of shape (T, head_dim) for positions start .. start + T - 1: position t
     turns channel pair (i, i + head_dim/2) by t / theta^(2i/head_dim). Recomputed per
-    forward (cheap), so no buffer needs care on the meta device or in checkpoints."""
+    forward (cheap), so no buffer needs care on the meta device or in checkpoints.
+    Given per-token `positions` [B, T] (packed documents), shape (B, 1, T, head_dim)."""
     exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / theta ** exps
-    angles = torch.outer(torch.arange(start, start + T, device=device).float(), inv_freq)
+    if positions is not None:
+        angles = (positions.float()[..., None] * inv_freq).unsqueeze(1)
+    else:
+        angles = torch.outer(torch.arange(start, start + T, device=device).float(), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -152,7 +157,7 @@ class Llama(CausalLM):
                              f"{self.cfg.block_size}")
         assert self.cfg.n_embd and self.cfg.n_head
         cos, sin = rope_tables(T, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta,
-                               idx.device, start)
+                               idx.device, start, document_positions(start, T))
         x = self.drop(self.embed(idx))
         for block in self.blocks:  # checkpointed per model.activation_checkpointing
             x = block(x, cos, sin)

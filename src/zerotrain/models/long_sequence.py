@@ -1,18 +1,23 @@
 """Long sequences, wired into a model: the tiled loss head and MLPs (`tiling.py`'s math)
 and activation checkpointing (`checkpointing.py`) applied to a built model from its plan —
-zerotrain's families, Hugging Face causal LMs and any module — without editing its code."""
+zerotrain's families, Hugging Face causal LMs and any module — without editing its code;
+and the engine's forward and backward through document masking (`documents.py`) and
+sequence parallelism (`ulysses.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zerotrain.config import ConfigError
-from zerotrain.models import gpt, hf, llama
+from zerotrain.config import ConfigError, DataConfig
+from zerotrain.models import gpt, hf, llama, ulysses
 from zerotrain.models.checkpointing import apply_checkpointing
+from zerotrain.models.documents import DocumentMasking, eos_token_id
 from zerotrain.models.tiling import _TILED, IGNORE_INDEX, tiled_lm_loss, tiled_mlp
 
 # ----------------------------------------------------------------------------- wiring
@@ -137,3 +142,42 @@ def apply_long_sequence(model: nn.Module, blocks: tuple[nn.Module, ...],
         apply_checkpointing(blocks, checkpointing)
     apply_tiling(model, blocks, tile)
     return note
+
+
+# ------------------------------------------------------------- the engine's forward/backward
+def document_masking(data: DataConfig, model: nn.Module) -> DocumentMasking | None:
+    """`data.document_mask`'s engine side, or None when off. The EOS id is
+    data.eos_token_id, else the Hugging Face model's; ConfigError when neither is known."""
+    if not data.document_mask:
+        return None
+    inner = getattr(model, "hf", model)
+    if isinstance(model, hf.HFCausalLM) or hasattr(getattr(inner, "config", None),
+                                                   "num_attention_heads"):
+        ulysses.hf_hook(inner)  # attention (and its mask) through zerotrain's function
+    conf = getattr(inner, "config", None)
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None) \
+        or getattr(conf, "vocab_size", None)
+    return DocumentMasking(eos_token_id(data.eos_token_id, model), model,
+                           vocab if isinstance(vocab, int) else None)
+
+
+def sequence_forward(module: nn.Module, sp: ulysses.SequenceParallel | None,
+                     docs: DocumentMasking | None, args: tuple, kwargs: dict) -> Any:
+    """The module's forward on a whole batch: its documents found (when masking), then
+    this rank's slice of it (when sequence-parallel)."""
+    def call(*a: Any, **k: Any) -> Any:
+        return sp.forward(module, a, k) if sp is not None else module(*a, **k)
+
+    return docs.forward(call, args, kwargs) if docs is not None else call(*args, **kwargs)
+
+
+@contextmanager
+def sequence_backward(sp: ulysses.SequenceParallel | None,
+                      docs: DocumentMasking | None) -> Iterator[None]:
+    """The last forward's shard and documents again, for recomputation in backward."""
+    with ExitStack() as stack:
+        if sp is not None:
+            stack.enter_context(sp.backward_context())
+        if docs is not None:
+            stack.enter_context(docs.backward_context())
+        yield

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from zerotrain.comm.autograd import all_to_all_dims
 from zerotrain.comm.collectives import Comm
 from zerotrain.config import ConfigError, check_sequence_parallel
+from zerotrain.models.documents import active_documents, attention_mask_for, document_positions
 
 #: the name under which Hugging Face models find zerotrain's attention
 HF_ATTENTION = "zerotrain_ulysses"
@@ -68,10 +69,12 @@ def position_offset() -> int:
 
 def global_position_ids(idx: Tensor) -> Tensor | None:
     """[B, T_local] global positions for a Hugging Face model's `position_ids` while a
-    shard is active; None otherwise (the model's own 0 .. T-1)."""
-    if _active is None:
-        return None
-    start = _active.offset
+    shard is active (in-document positions while documents are, models/documents.py);
+    None otherwise (the model's own 0 .. T-1)."""
+    start = position_offset()
+    docs = document_positions(start, idx.shape[1])
+    if docs is not None or _active is None:
+        return docs
     return torch.arange(start, start + idx.shape[1], device=idx.device).expand(idx.shape[0], -1)
 
 
@@ -105,12 +108,14 @@ def to_sequence(shard: SequenceShard, y: Tensor) -> Tensor:
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout: float = 0.0,
                      scale: float | None = None) -> Tensor:
-    """Causal SDPA over [B, H, T, D]; fewer KV heads are repeated to the query heads."""
+    """Causal SDPA over [B, H, T, D]; fewer KV heads are repeated to the query heads.
+    With packed documents active, each token reads its own document only."""
     if k.shape[1] < q.shape[1]:
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                          scale=scale)
+    mask = attention_mask_for(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          dropout_p=dropout, scale=scale)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, dropout: float = 0.0,
@@ -130,11 +135,12 @@ def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                   scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
     """transformers' attention-function signature ([B, H, T, D] in, [B, T, H, D] out).
 
-    Under a shard: causal over the whole sequence (a padding mask is not supported there;
-    training batches of whole windows have none). Otherwise — the same model evaluated,
-    or generating with a KV cache, outside the engine — the model's own implementation,
-    with the mask transformers made for it (registered as sdpa's)."""
-    if _active is None:
+    Under a shard or packed documents (models/documents.py): causal over the whole
+    sequence, within each document when documents are active (a padding mask is not
+    supported there; training batches of whole windows have none). Otherwise — the
+    same model evaluated, or generating with a KV cache, outside the engine — the
+    model's own implementation, with the mask transformers made for it (as sdpa's)."""
+    if _active is None and active_documents() is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         own = getattr(getattr(module, "config", None), "_zerotrain_own_attn", None) or "sdpa"
@@ -160,7 +166,14 @@ def hf_hook(model: nn.Module) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def mask(*args: Any, **kwargs: Any) -> Any:  # unused under a shard or documents
+        if _active is not None or active_documents() is not None:
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionMaskInterface.register(HF_ATTENTION, mask)
     config = model.config
     own = getattr(config, "_attn_implementation", None)
     if own != HF_ATTENTION:
@@ -273,8 +286,11 @@ class SequenceParallel:
             kwargs.pop("input_ids", None)
             args = []
             kwargs["input_ids"] = mine
-            kwargs.setdefault("position_ids", torch.arange(
-                offset, offset + T // self.size, device=ids.device).expand(ids.shape[0], -1))
+            pos = kwargs.get("position_ids")  # whole-length ones (documents') are sliced
+            kwargs["position_ids"] = torch.arange(offset, offset + T // self.size,
+                                                  device=ids.device).expand(ids.shape[0], -1) \
+                if pos is None else self._slice(pos.expand(ids.shape[0], -1), T) \
+                if pos.shape[-1] == T else pos
             if local_t is not None:  # HF's loss takes pre-shifted labels as shift_labels
                 kwargs["labels"] = local_t
                 kwargs["shift_labels"] = local_t

@@ -28,7 +28,7 @@ from zerotrain.comm.dist import (
     patient_barrier,
     pick_device,
 )
-from zerotrain.config import Config, check_sequence_parallel
+from zerotrain.config import Config, ConfigError, DataConfig, check_sequence_parallel
 from zerotrain.config.training import DEFAULT_WARMUP
 from zerotrain.data.dataset import (
     cached_shards,
@@ -76,10 +76,13 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def val_bytes_per_token(engine: Engine, batches: Batches, tok: Tokenizer) -> float:
-    """Text bytes per target token of the validation set (for bits per byte)."""
+    """Text bytes per target token of the validation set (for bits per byte); with
+    data.document_mask, of the scored targets (none predicted at an EOS)."""
     lengths = torch.from_numpy(token_byte_lengths(tok).astype("float64"))
-    local = [sum(float(lengths[y].sum()) for _, y in batches),
-             float(sum(y.numel() for _, y in batches))]
+    eos = engine.docs.eos if engine.docs is not None else None
+    scored = [y[x != eos] if eos is not None else y for x, y in batches]
+    local = [sum(float(lengths[y].sum()) for y in scored),
+             float(sum(y.numel() for y in scored))]
     total = engine.comm.all_reduce_scalars(local)
     return float(total[0] / total[1])
 
@@ -202,7 +205,7 @@ def load_data(cfg: Config, rank: int, world: int, drop_caches: bool = False) -> 
                      f"{tok.vocab_size:,} tokens (no more pairs recur); the model's "
                      "vocabulary follows the tokenizer")
     model_cfg = resolve_model_config(cfg.model, tokenizer_vocab=tok.vocab_size)
-    cfg = cfg.model_copy(update={"model": model_cfg})
+    cfg = cfg.model_copy(update={"model": model_cfg, "data": _document_eos(d, tok)})
     train_src, val_src = load_splits(path, tok, d.val_fraction, d.text_field)
     T = model_cfg.block_size
     sampler = WindowSampler(train_src, T, cfg.train.seed)
@@ -212,6 +215,20 @@ def load_data(cfg: Config, rank: int, world: int, drop_caches: bool = False) -> 
     summary = (f"[zerotrain] data: {describe(path, tok)}; {sampler.n_windows:,} training "
                f"windows of {T + 1} tokens") if rank == 0 else ""
     return Data(cfg, tok, sampler, val, summary, notes if rank == 0 else [])
+
+
+def _document_eos(d: DataConfig, tok: Tokenizer) -> DataConfig:
+    """data.document_mask: the EOS id is data.eos_token_id, else the tokenizer's (the
+    token the shards put between documents); one ConfigError when neither is known."""
+    if not d.document_mask or d.eos_token_id is not None:
+        return d
+    if tok.eos_id is None:
+        raise ConfigError(
+            f"data.document_mask needs the token that ends a document, and the tokenizer "
+            f"'{tok.name}' has none (the byte tokenizer separates documents by a blank "
+            "line, not a token): use data.tokenizer bpe:N or a Hugging Face tokenizer, "
+            "set data.eos_token_id, or set data.document_mask false")
+    return d.model_copy(update={"eos_token_id": tok.eos_id})
 
 
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
