@@ -29,7 +29,8 @@ from zerotrain.memory import (
 MIXED = BytesPerParam(params=2, grads=2, master=4, optimizer=8)
 FP32 = BytesPerParam(params=4, grads=4, master=0, optimizer=8)
 # buffers of 10 and 6 elements over N = 2: S = 5 + 3 = 8 elements of shard per rank;
-# the largest unit (10) has a shard of U = 5; prefetch 1: two buffers of a unit shard
+# the largest unit (10) has a shard of U = 5, the two units together 8; prefetch p = 1,
+# one write behind (w = 1)
 
 
 def shape(opt: str, par: str, bpp: BytesPerParam, micro_steps: int = 1, **kw) -> RunShape:
@@ -38,52 +39,58 @@ def shape(opt: str, par: str, bpp: BytesPerParam, micro_steps: int = 1, **kw) ->
 
 
 def placed(est) -> dict:
-    """{tier: {state: bytes}} without the zeros, and the host buffers."""
+    """{tier: {state: bytes}} without the zeros, and the tiers' buffers at their largest
+    (device: parameter shards; host: the optimizer's streamed units and masters)."""
     out = {t: {k: v for k, v in getattr(est, t).items() if v} for t in ("device", "host",
                                                                           "disk")}
-    return out | {"buffers": est.staging["host"]}
+    return out | {"buffers": (est.staging["device"], est.staging["host"])}
 
 
 # (optimizer tier, parameter tier) -> where each state lives, mixed precision (bytes):
-# params 2·8 = 16, grads 2·8 = 16, master 4·8 = 32, moments 8·8 = 64. Buffers: a disk
-# parameter tier holds 2 unit shards of 2·5 = 10; a disk optimizer 2 of (4 + 8)·5 = 60.
+# params 2·8 = 16, grads 2·8 = 16, master 4·8 = 32, moments 8·8 = 64. Buffers (device,
+# host): parameters off the device hold at most 1 + w published shards, 2·(5 + 3) = 16
+# (more than the p = 1 read ahead, 2·5, or the unit built at init); an optimizer on disk
+# streams p + 2 units, here both: (4 + 8)·8 = 96 (more than init's master, 4·5).
 ALL = {"params": 16, "grads": 16, "master": 32, "optimizer": 64}
 OPT = {"master": 32, "optimizer": 64}
 MIXED_PLACES = {
-    ("none", "none"): {"device": ALL, "host": {}, "disk": {}, "buffers": 0},
+    ("none", "none"): {"device": ALL, "host": {}, "disk": {}, "buffers": (0, 0)},
     ("cpu", "none"): {"device": {"params": 16}, "host": {"grads": 16, **OPT}, "disk": {},
-                      "buffers": 0},
+                      "buffers": (0, 0)},
     ("nvme", "none"): {"device": {"params": 16}, "host": {"grads": 16}, "disk": OPT,
-                       "buffers": 120},
+                       "buffers": (0, 96)},
     ("none", "cpu"): {"device": {"grads": 16, **OPT}, "host": {"params": 16}, "disk": {},
-                      "buffers": 0},
+                      "buffers": (16, 0)},
     ("none", "nvme"): {"device": {"grads": 16, **OPT}, "host": {}, "disk": {"params": 16},
-                       "buffers": 20},
-    ("cpu", "cpu"): {"device": {}, "host": ALL, "disk": {}, "buffers": 0},
+                       "buffers": (16, 0)},
+    ("cpu", "cpu"): {"device": {}, "host": ALL, "disk": {}, "buffers": (16, 0)},
     ("nvme", "cpu"): {"device": {}, "host": {"params": 16, "grads": 16}, "disk": OPT,
-                      "buffers": 120},
+                      "buffers": (16, 96)},
     ("cpu", "nvme"): {"device": {}, "host": {"grads": 16, **OPT}, "disk": {"params": 16},
-                      "buffers": 20},
+                      "buffers": (16, 0)},
     ("nvme", "nvme"): {"device": {}, "host": {"grads": 16}, "disk": {"params": 16, **OPT},
-                       "buffers": 140},
+                       "buffers": (16, 96)},
 }
 # fp32 has no master: where the optimizer lives apart from the parameters it keeps its
 # own 4-byte copy (counted as master, 32); in the same tier the parameter shard is it.
-# params 32, grads 32, moments 64; buffers: disk params 2·4·5 = 40, optimizer 2·12·5 = 120
+# params 32, grads 32, moments 64. Buffers: the parameter shard is the master in one
+# tier, so it is published only when the optimizer is elsewhere, 2·4·8 = 32 (else the p
+# read ahead, 4·5 = 20); the optimizer on disk streams both units with the parameters as
+# their master, (4 + 8)·8 = 96
 FP32_PLACES = {
     ("none", "none"): {"device": {"params": 32, "grads": 32, "optimizer": 64}, "host": {},
-                       "disk": {}, "buffers": 0},
+                       "disk": {}, "buffers": (0, 0)},
     ("cpu", "none"): {"device": {"params": 32}, "host": {"grads": 32, "master": 32,
                                                          "optimizer": 64},
-                      "disk": {}, "buffers": 0},
+                      "disk": {}, "buffers": (0, 0)},
     ("none", "cpu"): {"device": {"grads": 32, "master": 32, "optimizer": 64},
-                      "host": {"params": 32}, "disk": {}, "buffers": 0},
+                      "host": {"params": 32}, "disk": {}, "buffers": (32, 0)},
     ("cpu", "cpu"): {"device": {}, "host": {"params": 32, "grads": 32, "optimizer": 64},
-                     "disk": {}, "buffers": 0},
+                     "disk": {}, "buffers": (20, 0)},
     ("nvme", "nvme"): {"device": {}, "host": {"grads": 32},
-                       "disk": {"params": 32, "optimizer": 64}, "buffers": 160},
+                       "disk": {"params": 32, "optimizer": 64}, "buffers": (20, 96)},
     ("cpu", "nvme"): {"device": {}, "host": {"grads": 32, "master": 32, "optimizer": 64},
-                      "disk": {"params": 32}, "buffers": 40},
+                      "disk": {"params": 32}, "buffers": (32, 0)},
 }
 
 
@@ -147,11 +154,44 @@ def test_offload_traffic_is_the_tiers_pcie_part():
 def test_disk_states_leave_the_phases_and_buffers_join_them():
     none = phase_estimates(shape("none", "none", MIXED))
     nvme = phase_estimates(shape("nvme", "nvme", MIXED))
-    # leaves memory: params 16, master 32, moments 64 (grads stay, on the host); joins:
-    # 140 of buffers. Saving streams disk states file to file: master + moments (96)
-    # are no longer serialised from memory.
-    assert nvme["step"] - none["step"] == 140 - 112
-    assert nvme["save"] - none["save"] == 140 - 112 - 96
+    # leaves memory: params 16, master 32, moments 64 (grads stay, on the host). Joins
+    # the step: the optimizer's streamed units (4 + 8)·8 = 96 and the published shards
+    # 2·8 = 16. The forward gathers one unit, not two (the tier's reads run ahead):
+    # -2·10, and holds the shard read ahead, 2·5. Saving streams disk states file to
+    # file: master + moments (96) are no longer serialised from memory.
+    assert nvme["step"] - none["step"] == 96 + 16 - 112
+    assert nvme["forward"] - none["forward"] == -112 - 20 + 10
+    assert nvme["save"] - none["save"] == -112 - 96
+    # init (no moments yet): params and master leave, 16 + 32; the unit being built
+    # stays until sent, its shard 2·5 and its master 4·5
+    assert nvme["init"] - none["init"] == 10 + 20 - 48
+
+
+def test_tier_buffers_by_phase_and_prefetch():
+    """Each phase's residency (what the engine holds, zero/infinity.py), fp32 with the
+    gradients on disk as on a CPU rank: units of 10, 6 and 4 elements over N = 2 (shards
+    5, 3, 2), everything on disk, the parameter shard its own master."""
+    from zerotrain.memory.tiers import tier_buffers
+
+    def buffers(p: int) -> dict:
+        sh = RunShape((10, 6, 4), 2, FP32, frozenset({"params", "grads", "master",
+                                                       "optimizer"}),
+                      frozenset({"params", "grads", "master", "optimizer"}),
+                      frozenset({"params", "grads", "master", "optimizer"}),
+                      largest_unit=10, offload_prefetch=p, tier_io=4096, update_temp=4)
+        return {k: sum(v) for k, v in tier_buffers(sh).items()}
+
+    # p = 0: forward holds the shard being gathered (4·5); backward a unit's gradient
+    # landing and one written behind (4·(5 + 3)); the step the unit updating and the last
+    # one until its write lands ((4 + 8)·(5 + 3)), the updating unit's gradient (4·5)
+    # and Adam's denominator (4·5); init the unit built (4·5: the shard is the master)
+    assert buffers(0) == {"init": 20, "forward": 20, "backward": 32,
+                          "step": 96 + 20 + 20, "io": 4096}
+    # p = 2: two shards read ahead (4·8) in forward and beside backward's reduction (two
+    # written behind: 4·10); the step reads two units ahead (all three: 12·10) with
+    # three gradient shards (4·10)
+    assert buffers(2) == {"init": 20, "forward": 32, "backward": 32 + 40,
+                          "step": 120 + 40 + 20, "io": 4096}
 
 
 @pytest.mark.parametrize("bad", [
@@ -182,8 +222,10 @@ def test_cli_zero_infinity_row(capsys):
     assert r["tiers"] == {"params": "disk", "grads": "host", "master": "disk",
                           "optimizer": "disk"}
     assert r["disk_total"] == (2 + 4 + 8) * S
-    assert r["host_total"] == 2 * S + 2 * U * (2 + 4 + 8)  # grads + 2 unit buffers each way
-    assert r["device_total"] == 2 * 640_000_000  # the gathered unit only
+    # grads, and the optimizer's p + 2 = 3 units streamed: masters and moments (4 + 8)
+    assert r["host_total"] == 2 * S + 3 * U * (4 + 8)
+    # the gathered unit, and 1 + w = 2 published shards written behind (2 bytes)
+    assert r["device_total"] == 2 * 640_000_000 + 2 * U * 2
     assert r["tier_traffic"]["disk"] == {"read": 2 * 2 * S + 12 * S, "written": 12 * S + 2 * S}
 
 
@@ -242,7 +284,9 @@ def test_run_shape_carries_the_configs_tiers():
     assert disk["buffer_numels"] == none["buffer_numels"]
     numels = none["buffer_numels"]
     s = sum(-(-n // 2) for n in numels)
-    u = -(-max(numels) // 2)
-    # step: minus params, master, moments (2 + 4 + 8 per shard element), plus buffers
-    # 2 unit shards of params (2) and of the optimizer (4 + 8)
-    assert disk["phases"]["step"] - none["phases"]["step"] == 2 * u * (2 + 12) - 14 * s
+    u = sorted((-(-n // 2) for n in numels), reverse=True)  # the units' shards
+    # step: minus params, master, moments (2 + 4 + 8 per shard element); plus the 2
+    # largest published shards (2), the 3 largest units streamed (4 + 8), Adam's fp32
+    # denominator of the largest (4) and the disk tier's 4 I/O buffers of 1 MiB
+    assert disk["phases"]["step"] - none["phases"]["step"] == (
+        2 * sum(u[:2]) + 12 * sum(u[:3]) + 4 * u[0] + 4 * 2**20 - 14 * s)

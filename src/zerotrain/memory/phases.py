@@ -22,10 +22,14 @@ ZeRO table plus what each phase adds. The engine measures the same phases
   at init, and so does the per-parameter path's empty full-unit buffer (made for the
   first gather to fill, released at once, reused unit after unit): its CUDA init bound
   is Σ(shard + master + gradient shard) + the widest parameter + the largest unit.
-- **offload tiers** — states in files on disk (nvme) are in no memory; the tiers' read
-  and write buffers (`memory.tiers.staging_bytes`) are held from the first step on.
-  Saving streams the disk-resident states file to file (nothing more in memory).
-- **gathered units** (ZeRO-3) — the running unit and, with prefetch, the next one.
+- **offload tiers** — states in files on disk (nvme) are in no memory; what the tiers
+  bring into memory in each phase (`memory.tiers.tier_buffers`: the unit being built at
+  init, the parameter shards read ahead in forward and backward, the gradient shards
+  written behind, the optimizer units streamed in the step) adds to that phase, the disk
+  tier's I/O buffers to every phase. Saving streams the disk-resident states file to
+  file (nothing more in memory).
+- **gathered units** (ZeRO-3) — the running unit and, with prefetch, the next one; with
+  the parameters off the device only the running one (the tier's reads run ahead).
 - **activations** — saved for backward (`activation_bytes`); the caller counts them.
 - **bucket pool** (stages 2–3) — a unit's gradients land in a full-size bucket of the
   reduce dtype; up to `in_flight` reductions are in flight while the next bucket fills,
@@ -58,7 +62,7 @@ from collections.abc import Sequence
 
 from zerotrain.memory.shape import RunShape
 from zerotrain.memory.states import shard_numel
-from zerotrain.memory.tiers import shape_state_bytes
+from zerotrain.memory.tiers import shape_state_bytes, tier_buffers
 
 PHASES = ("init", "forward", "backward", "step", "save")
 STEADY = ("forward", "backward", "step")
@@ -124,11 +128,12 @@ def phase_estimates(shape: RunShape, activations: int = 0) -> dict[str, int]:
     est = shape_state_bytes(sh, pad_full=True)  # what is on disk is not in memory
     optimizer = est.device["optimizer"] + est.host["optimizer"]
     states = sum(est.device.values()) + sum(est.host.values())
-    buffers = est.staging["device"] + est.staging["host"]
-    gathered = (2 if sh.prefetch else 1) * largest_unit * bpp.params
+    tiers = {k: sum(v) for k, v in tier_buffers(sh).items()}  # one memory: both sides
+    ahead = sh.prefetch and sh.tier("params") == "device"  # else the tier reads ahead
+    gathered = (2 if ahead else 1) * largest_unit * bpp.params
     pool = (bucket_pool_numel(numels, world, sh.in_flight) * sh.reduce_bytes
             if grads_sharded else 0)
-    held = states + pool + sh.runtime + buffers  # from the first backward/step on
+    held = states + pool + sh.runtime + tiers["io"]  # from the first backward/step on
     shard = sum(shard_numel(n, world) for n in numels)
     if not sh.shards:  # a rank writes only its shard of the replicated state (write_range)
         saved = (bpp.optimizer + (bpp.master or bpp.params)) * shard
@@ -144,10 +149,11 @@ def phase_estimates(shape: RunShape, activations: int = 0) -> dict[str, int]:
     else:  # the scratch parameter, plus (no lazy pages) the unit's empty full buffer
         drawn = sh.init_piece + (0 if sh.lazy_grads else largest_unit)
     live = {
-        "init": states - optimizer - grads + drawn * bpp.params,
-        "forward": held + gathered + activations,
-        "backward": held + gathered + activations + sh.widest_param * bpp.grads,
-        "step": held,
+        "init": states - optimizer - grads + drawn * bpp.params + tiers["init"] + tiers["io"],
+        "forward": held + gathered + activations + tiers["forward"],
+        "backward": (held + gathered + activations + sh.widest_param * bpp.grads
+                     + tiers["backward"]),
+        "step": held + tiers["step"],
         "save": held + saved,
     }
     live = {k: v if k == "init" else int(v * (1 + sh.retention)) for k, v in live.items()}

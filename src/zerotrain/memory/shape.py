@@ -46,6 +46,8 @@ class RunShape:
     retention: float = 0.0      # the CPU allocator's allowance, a fraction
     offload_prefetch: int = 1   # offload tiers: units read ahead of the one in use
     micro_steps: int = 1        # micro-batches per optimizer step (gradient accumulation)
+    tier_io: int = 0            # the disk tier's block-I/O buffers (threads × block), bytes
+    update_temp: int = 0        # bytes per updated element the update allocates and frees
     stage: int = field(default=0, compare=False)  # for messages only; formulas read shards
 
     def __post_init__(self) -> None:
