@@ -9,9 +9,11 @@ carved from the heap, and a step that frees and allocates many tensors of a few 
 tens of MiB (a long sequence: [tokens × width] activations, tiles, exchange buffers)
 leaves the heap holding far more than is live. Measured (bench/longctx.py's model, HF
 Llama 2 × 128, 65,536 tokens, 2 ranks, `sequence.parallel 2`: [32,768 × 128] fp32 =
-16 MiB tensors): the heap held 1.14 GiB of which 0.22 GiB was in use; with
-`sequence.parallel 1` the same tensors are 32 MiB, mapped, and the step peaks lower
-although it holds twice the tokens.
+16 MiB tensors): after a step the heap held 1.12 GiB of which 0.22 GiB was in use; with
+`sequence.parallel 1` the same tensors are 32 MiB, mapped, and the step peaked lower
+(1.33 vs 1.82 GiB resident per rank) although it holds twice the tokens. With blocks of
+1 MiB and more mapped, the same SP = 2 run peaks at 1.11 GiB per rank (heap after a
+step: 0.14 GiB, 0.13 GiB in use).
 
 `return_freed_blocks(mib)` fixes the threshold (glibc's `mallopt(M_MMAP_THRESHOLD)`,
 which also stops it from rising) and the heap's trim threshold: blocks of `mib` MiB and
