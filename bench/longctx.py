@@ -161,7 +161,12 @@ def worker(a: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
         phase.write_text("report")
-        mine = {"peak": proc_status().get("VmHWM", 0), "times": times}
+        # the engine resets VmHWM before each phase of its first steps (PhasePeaks): the
+        # process's peak is the largest phase peak, or VmHWM since the last reset
+        phases = engine.phases.report()
+        mine = {"peak": max(proc_status().get("VmHWM", 0),
+                            *(v for k, v in phases.items() if k != "baseline")),
+                "phase_peaks": phases, "times": times}
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
         engine.close()

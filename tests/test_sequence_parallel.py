@@ -177,8 +177,9 @@ def test_world_not_divisible():
         check_sequence_parallel(4, 4, n_head=6)
 
 
-def library_hf(folder: str, sp: int) -> dict:
-    """A bare transformers model given to the engine, called HF's way."""
+def library_hf(folder: str, sp: int, tile: int | None = None) -> dict:
+    """A bare transformers model given to the engine, called HF's way (`tile`: its loss
+    tiled, `sequence.tile_tokens`)."""
     from zerotrain.engine import Engine
 
     torch.manual_seed(0)
@@ -188,7 +189,8 @@ def library_hf(folder: str, sp: int) -> dict:
     labels[1, 5:9] = -100
     with torch.no_grad():
         hf_loss = float(model(input_ids=x, labels=labels).loss)  # HF alone, whole sequence
-    cfg = build_config(deep_merge(BASE, {"zero": {"stage": 3}, "sequence": {"parallel": sp}}),
+    cfg = build_config(deep_merge(BASE, {"zero": {"stage": 3},
+                                     "sequence": {"parallel": sp, "tile_tokens": tile}}),
                        library=True)
     eng = Engine(model, cfg, torch.device("cpu"))
     out = eng(input_ids=x, labels=labels)  # every rank: the same whole batch
@@ -201,19 +203,23 @@ def library_hf(folder: str, sp: int) -> dict:
         model.config._attn_implementation = own
     eng.close()
     return {"hf": hf_loss, "loss": out.loss.item(), "norm": info.grad_norm,
-            "logits": tuple(out.logits.shape), "outside": float((hooked - plain).abs().max())}
+            "logits": None if out.logits is None else tuple(out.logits.shape),
+            "outside": float((hooked - plain).abs().max())}
 
 
 def library_cases(folder: str) -> list[dict]:
-    return [library_hf(folder, 1), library_hf(folder, 2)]
+    return [library_hf(folder, 1), library_hf(folder, 2), library_hf(folder, 2, tile=4)]
 
 
 def test_library_mode_bare_hf_model(tmp_path):
     folder = hf_llama_folder(tmp_path)
-    for one, two in run_ranks(library_cases, 2, folder):
+    for one, two, tiled in run_ranks(library_cases, 2, folder):
         assert abs(one["loss"] - one["hf"]) <= 1e-6 * one["hf"]
         assert abs(two["loss"] - one["hf"]) <= 1e-5 * one["hf"]
         assert abs(two["norm"] - one["norm"]) <= 1e-4 * one["norm"]
+        # tiled: the labels SP shifted once are not shifted again by the tiled loss
+        assert abs(tiled["loss"] - one["hf"]) <= 1e-5 * one["hf"], (tiled["loss"], one["hf"])
+        assert abs(tiled["norm"] - one["norm"]) <= 1e-4 * one["norm"]
         assert two["logits"] == (B, SEQ // 2, VOCAB)  # this rank's slice
         assert one["outside"] == two["outside"] == 0.0
 

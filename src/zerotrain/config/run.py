@@ -191,6 +191,12 @@ class TrainConfig(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: cores / local ranks)"
     )
+    host_mmap_mb: float | None = Field(
+        1.0, gt=0, le=32, description="host (glibc) tensors of at least this many MiB get "
+        "their own memory map, returned to the OS when freed; glibc's default lets its "
+        "heap keep freed blocks below a threshold that rises to 32 MiB, which a long "
+        "sequence's step fragments (memory/host.py); null: glibc's default (so does a "
+        "MALLOC_MMAP_THRESHOLD_ in the environment)")
     max_skipped_steps: int = Field(
         50, ge=1, description="abort after this many consecutive skipped (non-finite) steps; "
         "fp16's loss-scale search never needs as many")

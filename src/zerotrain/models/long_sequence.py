@@ -78,7 +78,8 @@ def hf_hidden_states(hf_model: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _wrap_hf_forward(model: nn.Module, tile: int | None) -> None:
     """A raw HF causal LM: with `labels`, the loss from the base model's hidden states,
-    tile by tile (labels shifted as HF does: position i predicts labels[i + 1])."""
+    tile by tile (labels shifted as HF does: position i predicts labels[i + 1]; HF's
+    pre-shifted `shift_labels`, when given, are the targets as they are)."""
     current = model.__dict__.get("forward")
     if current is not None and hasattr(current, _TILED):
         del model.forward
@@ -87,8 +88,9 @@ def _wrap_hf_forward(model: nn.Module, tile: int | None) -> None:
     head = hf_head_check(model)
     original = model.forward
 
-    def forward(*args: Any, labels: Tensor | None = None, **kwargs: Any) -> Any:
-        if labels is None:
+    def forward(*args: Any, labels: Tensor | None = None,
+                shift_labels: Tensor | None = None, **kwargs: Any) -> Any:
+        if labels is None and shift_labels is None:
             return original(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -96,7 +98,10 @@ def _wrap_hf_forward(model: nn.Module, tile: int | None) -> None:
             kwargs.pop(k, None)
         kwargs.setdefault("use_cache", False)  # a loss needs no KV cache; it would hold k, v
         out = hf_hidden_states(model, *args, return_dict=True, **kwargs)
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        # HF's `shift_labels` are already shifted (sequence parallelism passes its slice's
+        # targets so): they are the targets as given, not shifted a second time
+        targets = shift_labels if shift_labels is not None else \
+            F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = tiled_lm_loss(out.last_hidden_state, head, targets, tile)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
