@@ -36,8 +36,8 @@ mid = libc.mallinfo2()
 del keep
 after = libc.mallinfo2()
 print(json.dumps({"took": took, "mapped": (mid.hblkhd - before.hblkhd) / M,
-                  "heap": (after.arena - before.arena) / M,
-                  "heap_free": (after.fordblks - before.fordblks) / M}))
+                  "heap_used": (mid.uordblks - before.uordblks) / M,
+                  "unmapped": (mid.hblkhd - after.hblkhd) / M}))
 """
 
 
@@ -51,10 +51,13 @@ def probe(mib: str, env: dict | None = None) -> dict:
 
 def test_freed_blocks_go_back_to_the_os():
     plain, fixed = probe("none"), probe("1")
-    # glibc's default: the four 8 MiB tensors come from the heap and stay there, freed
-    assert plain["mapped"] == 0 and plain["heap"] >= 32 and plain["heap_free"] >= 30, plain
-    # 1 MiB: each one its own map, unmapped when freed; the heap does not grow
-    assert fixed["took"] and fixed["mapped"] >= 32 and fixed["heap"] < 1, fixed
+    # glibc's default: the four 8 MiB tensors are carved from the heap (whether it grows
+    # for them depends on what the imports left free in it: not held), where a freed
+    # block stays unless it borders the heap's top
+    assert plain["mapped"] == 0 and plain["heap_used"] >= 32, plain
+    # 1 MiB: each one its own map, unmapped when freed; none of them from the heap
+    assert fixed["took"] and fixed["mapped"] >= 32 and fixed["unmapped"] >= 32, fixed
+    assert fixed["heap_used"] < 1, fixed
     # the user's environment wins: nothing set, glibc as by default
     env = probe("1", {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)})
     assert env["took"] is False and env["mapped"] == 0
