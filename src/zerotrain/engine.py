@@ -35,7 +35,7 @@ from zerotrain.comm.dist import bind_device, patient_barrier
 from zerotrain.config import Config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import PhasePeaks, phase_estimates
-from zerotrain.memory.host import return_freed_blocks
+from zerotrain.memory.host import mmap_threshold, return_freed_blocks
 from zerotrain.models import Plan, long_sequence, plan_for
 from zerotrain.models.ulysses import SequenceParallel
 from zerotrain.numerics.fp8_linear import convert_to_fp8
@@ -78,7 +78,10 @@ class Engine(DeepSpeedAPI):
         elif device.type == "cuda":
             torch.cuda.set_device(device)
         self.device = device
-        return_freed_blocks(config.train.host_mmap_mb)  # freed host blocks go back to the OS
+        # freed host blocks go back to the OS (long-sequence runs, by default)
+        return_freed_blocks(mmap_threshold(config.train.host_mmap_mb,
+                                           config.sequence.tile_tokens,
+                                           config.sequence.parallel))
         self.phases = PhasePeaks(self.device)  # peaks of init, forward, backward, step, save
         self.phases.begin()
         self.policy = PrecisionPolicy.from_config(config.precision)

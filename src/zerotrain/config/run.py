@@ -191,14 +191,25 @@ class TrainConfig(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: cores / local ranks)"
     )
-    host_mmap_mb: float | None = Field(
-        1.0, gt=0, le=32, description="host (glibc) tensors of at least this many MiB get "
+    host_mmap_mb: float | Literal["auto"] | None = Field(
+        "auto", description="host (glibc) tensors of at least this many MiB (at most 32) get "
         "their own memory map, returned to the OS when freed; glibc's default lets its "
         "heap keep freed blocks below a threshold that rises to 32 MiB, which a long "
-        "sequence's step fragments (memory/host.py); null: glibc's default (so does a "
+        "sequence's step fragments (memory/host.py). auto: 1 with sequence.tile_tokens or "
+        "sequence.parallel > 1, else glibc's default (fresh maps cost page faults: the main "
+        "job ran 35% slower with 1); null: glibc's default (so does a "
         "MALLOC_MMAP_THRESHOLD_ in the environment)")
     max_skipped_steps: int = Field(
         50, ge=1, description="abort after this many consecutive skipped (non-finite) steps; "
         "fp16's loss-scale search never needs as many")
     spike_guard: SpikeGuardConfig = Field(default_factory=SpikeGuardConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
+
+    @field_validator("host_mmap_mb")
+    @classmethod
+    def _mmap_mb(cls, v: float | str | None) -> float | str | None:
+        if isinstance(v, float | int) and not 0 < v <= 32:
+            raise ValueError(f"train.host_mmap_mb must be in (0, 32] MiB (glibc's limit), "
+                             f"auto or null, got {v}")
+        return v
+

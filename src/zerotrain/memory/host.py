@@ -15,6 +15,14 @@ Llama 2 × 128, 65,536 tokens, 2 ranks, `sequence.parallel 2`: [32,768 × 128] f
 1 MiB and more mapped, the same SP = 2 run peaks at 1.11 GiB per rank (heap after a
 step: 0.14 GiB, 0.13 GiB in use).
 
+The cost: a fresh map is zero pages faulted in on first touch, and the heap's top is
+trimmed more often, so a run of many short-lived tensors of a few MiB pays it each
+step — the main job (`make train`: 4 × 192 GPT, 16 × 256 tokens per rank) ran at 6.6–7.2k
+tokens/s with 1 MiB against 10.3–10.4k with glibc's default. A long-sequence step spends
+its time in a few large kernels instead (SP = 2 at 16,384 tokens: step times within the
+machine's noise). Hence `train.host_mmap_mb: auto` (`mmap_threshold`): 1 MiB when the run
+is a long-sequence one — tiles or sequence parallelism — and glibc's default otherwise.
+
 `return_freed_blocks(mib)` fixes the threshold (glibc's `mallopt(M_MMAP_THRESHOLD)`,
 which also stops it from rising) and the heap's trim threshold: blocks of `mib` MiB and
 more are mapped and given back when freed. The engine calls it with
@@ -44,23 +52,50 @@ def _libc() -> ctypes.CDLL | None:
         else None
 
 
+#: what `auto` sets for a long-sequence run
+LONG_SEQUENCE_MMAP_MIB = 1.0
+
+
+def mmap_threshold(setting: float | str | None, tile_tokens: int | None,
+                   sequence_parallel: int) -> float | None:
+    """`train.host_mmap_mb` resolved: `auto` is 1 MiB for a long-sequence run (tiles or
+    sequence parallelism), else None (glibc's default); a number is itself."""
+    if setting != "auto":
+        return setting if setting is None else float(setting)
+    long = tile_tokens is not None or sequence_parallel > 1
+    return LONG_SEQUENCE_MMAP_MIB if long else None
+
+
+_fixed: list[float] = []  # what this process's engines set, last one last
+
+
 def return_freed_blocks(mib: float | None) -> bool:
     """Blocks of at least `mib` MiB from their own memory maps, returned when freed (the
-    module doc). Returns whether glibc took the setting; False when `mib` is None, the
-    environment sets `MALLOC_MMAP_THRESHOLD_`, or the C library is not glibc."""
-    if mib is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    module doc). Returns whether glibc took the setting; False when the environment sets
+    `MALLOC_MMAP_THRESHOLD_`, the C library is not glibc, or `mib` is None. The setting
+    is the process's: None after an earlier engine here fixed one puts glibc's risen
+    thresholds back (32 MiB mapped, 64 MiB trimmed — where its own rule ends up after a
+    large block is freed; the rule itself, once fixed, does not come back)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or (mib is None and not _fixed):
         return False
-    if not 0 < mib <= MAX_MMAP_THRESHOLD_MIB:
+    if mib is not None and not 0 < mib <= MAX_MMAP_THRESHOLD_MIB:
         raise ValueError(f"train.host_mmap_mb must be in (0, {MAX_MMAP_THRESHOLD_MIB}] "
                          f"(glibc's limit), got {mib}; null leaves glibc's default")
     libc = _libc()
     if libc is None:
         return False
-    size = ctypes.c_int(int(mib * 2**20))
-    ok = libc.mallopt(M_MMAP_THRESHOLD, size) == 1
-    # the heap's top is given back above the same size (the rising threshold had raised
-    # this one too, to twice itself)
-    return bool(ok and libc.mallopt(M_TRIM_THRESHOLD, size) == 1)
+    mmap_mib, trim_mib = (MAX_MMAP_THRESHOLD_MIB, 2 * MAX_MMAP_THRESHOLD_MIB) \
+        if mib is None else (mib, mib)
+    # the heap's top is given back above the mapped size too (glibc's own rule keeps the
+    # trim threshold at twice the mmap one)
+    ok = libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(int(mmap_mib * 2**20))) == 1 and \
+        libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(int(trim_mib * 2**20))) == 1
+    if mib is None:
+        _fixed.clear()
+        return False
+    _fixed.append(mib)
+    return ok
 
 
-__all__ = ["MAX_MMAP_THRESHOLD_MIB", "return_freed_blocks"]
+__all__ = ["LONG_SEQUENCE_MMAP_MIB", "MAX_MMAP_THRESHOLD_MIB", "mmap_threshold",
+           "return_freed_blocks"]
