@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.config import ConfigError, build_config
+from zerotrain.config import ConfigError, SequenceConfig, build_config
 from zerotrain.memory.host import mmap_threshold, return_freed_blocks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -80,6 +80,9 @@ def test_bad_values():
 def test_auto_is_for_long_sequences_only():
     """auto: 1 MiB with tiles or sequence parallelism (long-sequence runs, where the heap
     fragments), glibc's default otherwise (short-lived maps cost the main job ~35%)."""
-    assert mmap_threshold("auto", None, 1) is None
-    assert mmap_threshold("auto", 2048, 1) == mmap_threshold("auto", None, 2) == 1.0
-    assert mmap_threshold(4, None, 1) == 4.0 and mmap_threshold(None, 2048, 2) is None
+    def seq(tile, sp):
+        return SequenceConfig(tile_tokens=tile, parallel=sp)
+
+    assert mmap_threshold("auto", seq(None, 1)) is None
+    assert mmap_threshold("auto", seq(2048, 1)) == mmap_threshold("auto", seq(None, 2)) == 1.0
+    assert mmap_threshold(4, seq(None, 1)) == 4.0 and mmap_threshold(None, seq(2048, 2)) is None

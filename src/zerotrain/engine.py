@@ -79,9 +79,7 @@ class Engine(DeepSpeedAPI):
             torch.cuda.set_device(device)
         self.device = device
         # freed host blocks go back to the OS (long-sequence runs, by default)
-        return_freed_blocks(mmap_threshold(config.train.host_mmap_mb,
-                                           config.sequence.tile_tokens,
-                                           config.sequence.parallel))
+        return_freed_blocks(mmap_threshold(config.train.host_mmap_mb, config.sequence))
         self.phases = PhasePeaks(self.device)  # peaks of init, forward, backward, step, save
         self.phases.begin()
         self.policy = PrecisionPolicy.from_config(config.precision)

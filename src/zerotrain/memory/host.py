@@ -36,6 +36,8 @@ import ctypes
 import ctypes.util
 import os
 
+from zerotrain.config import SequenceConfig
+
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 #: glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit)
@@ -56,13 +58,12 @@ def _libc() -> ctypes.CDLL | None:
 LONG_SEQUENCE_MMAP_MIB = 1.0
 
 
-def mmap_threshold(setting: float | str | None, tile_tokens: int | None,
-                   sequence_parallel: int) -> float | None:
+def mmap_threshold(setting: float | str | None, sequence: SequenceConfig) -> float | None:
     """`train.host_mmap_mb` resolved: `auto` is 1 MiB for a long-sequence run (tiles or
     sequence parallelism), else None (glibc's default); a number is itself."""
     if setting != "auto":
         return setting if setting is None else float(setting)
-    long = tile_tokens is not None or sequence_parallel > 1
+    long = sequence.tile_tokens is not None or sequence.parallel > 1
     return LONG_SEQUENCE_MMAP_MIB if long else None
 
 
