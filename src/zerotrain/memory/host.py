@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 from zerotrain.config import SequenceConfig
@@ -44,6 +45,7 @@ M_MMAP_THRESHOLD = -3
 MAX_MMAP_THRESHOLD_MIB = 32
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
@@ -67,7 +69,7 @@ def mmap_threshold(setting: float | str | None, sequence: SequenceConfig) -> flo
     return LONG_SEQUENCE_MMAP_MIB if long else None
 
 
-_fixed: list[float] = []  # what this process's engines set, last one last
+_fixed = False  # whether an engine in this process has fixed the thresholds
 
 
 def return_freed_blocks(mib: float | None) -> bool:
@@ -77,6 +79,7 @@ def return_freed_blocks(mib: float | None) -> bool:
     is the process's: None after an earlier engine here fixed one puts glibc's risen
     thresholds back (32 MiB mapped, 64 MiB trimmed — where its own rule ends up after a
     large block is freed; the rule itself, once fixed, does not come back)."""
+    global _fixed
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or (mib is None and not _fixed):
         return False
     if mib is not None and not 0 < mib <= MAX_MMAP_THRESHOLD_MIB:
@@ -91,11 +94,8 @@ def return_freed_blocks(mib: float | None) -> bool:
     # trim threshold at twice the mmap one)
     ok = libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(int(mmap_mib * 2**20))) == 1 and \
         libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(int(trim_mib * 2**20))) == 1
-    if mib is None:
-        _fixed.clear()
-        return False
-    _fixed.append(mib)
-    return ok
+    _fixed = mib is not None
+    return ok and _fixed
 
 
 __all__ = ["LONG_SEQUENCE_MMAP_MIB", "MAX_MMAP_THRESHOLD_MIB", "mmap_threshold",
