@@ -36,6 +36,7 @@ from zerotrain.deepspeed.optim import (
     hyper_of,
     user_groups,
 )
+from zerotrain.deepspeed.surface import HFSurface
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
@@ -77,12 +78,14 @@ def _rank0(msg: str) -> None:
         print(f"[zerotrain.deepspeed] {msg}", flush=True)
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(HFSurface, Engine, nn.Module):
     def __init__(self, model: nn.Module, config: Config, ds: dict[str, Any],
                  client_optimizer: Any = None, model_parameters: Any = None,
                  client_lr_scheduler: Any = None, collate_fn: Any = None):
         """`config`: the zerotrain Config mapped from the DeepSpeed dict `ds` (with the
         client optimizer's name when there is one)."""
+        nn.Module.__init__(self)  # an nn.Module whose one submodule is `module`
+        self.ds_config = ds  # `engine.config` answers it (surface.py)
         if callable(client_optimizer) and not isinstance(client_optimizer,
                                                          torch.optim.Optimizer):
             client_optimizer = client_optimizer(user_groups(model, model_parameters))
@@ -183,6 +186,8 @@ class DeepSpeedEngine(Engine):
 
     def _step(self) -> StepInfo | None:
         info = super()._step()
+        if info is not None:
+            self.param_source.overflow = info.skipped
         if info is not None and not info.skipped:  # DeepSpeed skips it on overflow
             if self.client_optimizer is not None:
                 # a torch scheduler checks that its optimizer stepped before it does
@@ -229,10 +234,12 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,  # type: ignore[override]
                  scale_wrt_gas: bool = True) -> torch.Tensor:
-        if retain_graph or not scale_wrt_gas:
-            raise ValueError("engine.backward: retain_graph=True and scale_wrt_gas=False are "
-                             "not supported by zerotrain.deepspeed; call backward(loss)")
-        super().backward(loss)
+        if retain_graph:
+            raise ValueError("engine.backward: retain_graph=True is not supported by "
+                             "zerotrain.deepspeed; call backward(loss)")
+        # scale_wrt_gas=False (the HF Trainer): the loss is already divided by the
+        # accumulation steps; the engine's own 1/accum is undone
+        super().backward(loss if scale_wrt_gas else loss * self.accum)
         return loss
 
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None,

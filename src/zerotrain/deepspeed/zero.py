@@ -26,6 +26,7 @@ writes them over the initial values; the parameters go back to the meta device.
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -50,6 +51,26 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
         return
     with torch.device("meta"):
         yield
+
+
+#: DeepSpeed's Init wraps torch's tensor constructors and transformers swaps that wrapper
+#: around it (`prevent_arange_dtype_change`); zerotrain's Init builds on the meta device
+#: and wraps nothing, so the hook is the identity
+_orig_torch_arange = torch.arange
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ZeRO-3 parameter states (zerotrain's parameters are whole inside the
+    forward and inside `GatheredParameters`)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: Any = None,
+                                           target_device: Any = None) -> Any:
+    return fn
 
 
 #: live engines (zerotrain.deepspeed.engine registers each), so GatheredParameters can

@@ -156,7 +156,9 @@ def monitors(r: Reader, out: dict[str, Any]) -> None:
              (("project", "project"), ("entity", "team"), ("group", "group"))}
     if any(v is not None for v in wandb.values()):
         logging["wandb"] = {k: v for k, v in wandb.items() if v is not None}
-    if "steps_per_print" in r.data:
+    if r.data.get("steps_per_print") == float("inf"):  # Accelerate's "never print"
+        r.get("steps_per_print", 10, float)
+    elif "steps_per_print" in r.data:
         logging["log_every"] = r.get("steps_per_print", 10, int, auto="logging.log_every")
     if logging:
         out["logging"] = logging
