@@ -79,8 +79,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     a = ap.parse_args()
-    from transformers import (AutoModelForCausalLM, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     out = Path(a.out)
     vocab, seq = 256, 32

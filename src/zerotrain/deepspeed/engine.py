@@ -120,7 +120,11 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
             plan = self._muon_plan(plan, where)
         else:
             plan = dataclasses.replace(plan, groups=where)
-        super().__init__(model, config, plan=plan)
+        pending = zero.take_pending(model)  # weights written under zero.GatheredParameters
+        meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        whole = bool(pending) and all(n in pending for n in meta)  # from_pretrained's case
+        super().__init__(model, config, plan=plan, weights=(lambda n, a, b: pending[n].reshape(
+            -1)[a:b]) if whole else None)  # each rank's shard read from them, unit by unit
         self.ds_config = ds
         self.collate_fn = collate_fn
         self.training_dataloader = None
@@ -133,10 +137,10 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
                                         else client_lr_scheduler)
         else:
             self.client_lr_scheduler = config_scheduler(self.param_source, config, ds)
-        pending = zero.take_pending(model)  # weights written under zero.GatheredParameters
-        if pending:
+        if pending and not whole:
             with self.full_parameters():
                 self.write_weights(pending)
+        pending = {}  # the loaded weights are the shards' now
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         zero.ENGINES.add(self)
 
