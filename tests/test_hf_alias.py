@@ -137,7 +137,7 @@ def test_other_majors_are_refused_in_one_line():
         check_versions({"transformers": "4.57.1", "accelerate": None, "trl": None})
     msg = str(e.value)
     assert "\n" not in msg and "transformers 4.57.1" in msg and "zerotrain[hf]" in msg
-    with pytest.raises(RuntimeError, match="trl 0.9.0"):
+    with pytest.raises(RuntimeError, match=r"trl 0\.9\.0"):
         check_versions({"transformers": None, "accelerate": None, "trl": "0.9.0"})
 
 
