@@ -84,17 +84,14 @@ class HFSurface:
         module = self.module  # type: ignore[attr-defined]
         with self.full_parameters():  # type: ignore[attr-defined]
             if self.rank == 0:  # type: ignore[attr-defined]
-                seen: dict[int, torch.Tensor] = {}
-                for name, p in module.named_parameters(remove_duplicate=False):
-                    if exclude_frozen_parameters and not p.requires_grad:
+                seen: dict[int, torch.Tensor] = {}  # tied weights: one tensor, each name
+                for name, t in module.state_dict(keep_vars=True).items():  # module order
+                    if (exclude_frozen_parameters and isinstance(t, torch.nn.Parameter)
+                            and not t.requires_grad):
                         continue
-                    if id(p) not in seen:
-                        seen[id(p)] = p.detach().to("cpu", copy=True)
-                    out[name] = seen[id(p)]
-                persistent = {n for n, _ in module.state_dict(keep_vars=True).items()}
-                for name, b in module.named_buffers():
-                    if name in persistent:
-                        out[name] = b.detach().to("cpu", copy=True)
+                    if id(t) not in seen:
+                        seen[id(t)] = t.detach().to("cpu", copy=True)
+                    out[name] = seen[id(t)]
         return out
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
