@@ -50,6 +50,19 @@ def make_model_dir(path: Path, vocab: int, hidden: int, layers: int) -> None:
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=128, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer(vocab).save_pretrained(path)
+
+
+def tokenizer(vocab: int):
+    """A word-level tokenizer over "t3" .. "t<vocab-1>" (TRL wants a processing class)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
 
 
 def dataset(kind: str, n: int, vocab: int, seq: int):
@@ -59,9 +72,9 @@ def dataset(kind: str, n: int, vocab: int, seq: int):
     rows = []
     for _ in range(n):
         ids = torch.randint(3, vocab, (seq,), generator=g).tolist()
-        if kind == "sft":  # prompt tokens masked: the loss covers the completion only
+        if kind == "sft":  # prompt tokens masked (-100): the loss covers the completion
             p = int(torch.randint(2, seq // 2, (1,), generator=g))
-            rows.append({"prompt": ids[:p], "completion": ids[p:]})
+            rows.append({"input_ids": ids, "completion_mask": [0] * p + [1] * (seq - p)})
         else:
             rows.append({"input_ids": ids, "labels": ids})
     return Dataset.from_list(rows)
@@ -112,7 +125,10 @@ def main() -> None:
 
     data = dataset(a.kind, 400, vocab, seq)
     if a.kind == "sft":
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, callbacks=[Record()])
+        from transformers import AutoTokenizer
+
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, callbacks=[Record()],
+                             processing_class=AutoTokenizer.from_pretrained(model_dir))
     else:
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Record()])
     trainer.train(resume_from_checkpoint=a.resume)

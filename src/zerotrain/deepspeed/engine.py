@@ -141,6 +141,7 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
             with self.full_parameters():
                 self.write_weights(pending)
         pending = {}  # the loaded weights are the shards' now
+        self.mark_status()
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         zero.ENGINES.add(self)
 

@@ -56,6 +56,23 @@ class HFSurface:
         """The module's forward (DeepSpeed's `engine.forward`)."""
         return self(*args, **kwargs)
 
+    def mark_status(self) -> None:
+        """Give each parameter DeepSpeed's `ds_status` (TRL reads it before touching the
+        LM head directly): AVAILABLE where the parameter is whole whenever the model's
+        forward or backward runs (below ZeRO-3; at ZeRO-3 the root unit, which stays
+        gathered through the whole forward and backward, and the small persistent
+        units), NOT_AVAILABLE for the parameters of ZeRO-3's block units (a reader
+        gathers them with `GatheredParameters`, as with DeepSpeed)."""
+        from zerotrain.deepspeed.zero import ZeroParamStatus
+
+        strategy = self.strategy  # type: ignore[attr-defined]
+        root = getattr(strategy, "_root", None)
+        for u in strategy.units:
+            whole = strategy.stage < 3 or u is root or getattr(u, "persistent", False)
+            for slot in u.slots:
+                slot.param.ds_status = (ZeroParamStatus.AVAILABLE if whole
+                                        else ZeroParamStatus.NOT_AVAILABLE)
+
     # ------------------------------------------------------------------ accumulation
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """From now on the boundary is what the caller says (Accelerate: its
