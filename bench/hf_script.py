@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--save-steps", type=int, default=15)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--gas", type=int, default=2)
     ap.add_argument("--model", default=None)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
@@ -99,7 +100,7 @@ def main() -> None:
     model_dir = Path(a.model or out / "init")
     make_model_dir(model_dir, vocab, a.hidden, a.layers) if "RANK" not in os.environ else None
     common = dict(output_dir=str(out / "run"), per_device_train_batch_size=2,
-                  gradient_accumulation_steps=2, learning_rate=1e-3, max_steps=a.steps,
+                  gradient_accumulation_steps=a.gas, learning_rate=1e-3, max_steps=a.steps,
                   warmup_steps=5, lr_scheduler_type="cosine", weight_decay=0.01,
                   max_grad_norm=1.0, logging_steps=1, save_steps=a.save_steps,
                   save_strategy="steps", report_to=[], seed=0, deepspeed=a.ds,

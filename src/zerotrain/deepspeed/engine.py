@@ -315,6 +315,7 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
             self.strategy.load_state_dict(sd["strategy"])
             self._load_buffers(sd.get("buffers", {}))
         else:
+            sd.pop("rng", None)  # as DeepSpeed: the process's RNG is the script's to restore
             self.load_state_dict(sd)
             saved = info.meta.get("extra", {}).get("deepspeed") or {}
             if keep_optimizer and saved.get("groups"):
