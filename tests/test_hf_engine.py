@@ -34,6 +34,7 @@ class Net(nn.Module):
 def cfg(stage: int, gas: int = 1, **zero) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
             "zero_optimization": {"stage": stage, **zero}, "steps_per_print": float("inf"),
+            "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the reference clips not
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
 
 
@@ -219,4 +220,39 @@ def test_hf_datasets_dataset_as_training_data():
                                                 config=cfg(1), training_data=rows)
     got = sorted(int(v) for b in loader for v in b["y"])
     assert got == list(range(8)) and len(loader) == 2  # micro-batches of 4, world 1
+    engine.close()
+
+
+def test_zero1_with_cpu_offload_runs_as_deepspeed_does():
+    """HelloDeepSpeed's config: ZeRO-1 + offload_optimizer cpu (DeepSpeed runs it) runs as
+    ZeRO-2 + Offload, the same updates as torch AdamW; the engine says stage 1."""
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(),
+        config=cfg(1, offload_optimizer={"device": "cpu"}))
+    assert engine.zero_optimization_stage() == 1
+    assert engine.config.zero.offload_optimizer == "cpu"
+    micro = batches(2)
+    for x, y in micro:
+        engine.backward(loss_of(engine, x, y))
+        engine.step()
+    reference_after(ref, micro, updates=2)
+    sd = engine._zero3_consolidated_16bit_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(sd[name], p.detach(), rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ds_status_says_where_a_parameter_is_whole(stage):
+    """TRL reads `ds_status` before using the LM head outside its forward: at ZeRO-3 a
+    model with no blocks is one root unit, whole through the forward and backward."""
+    from zerotrain.deepspeed.zero import ZeroParamStatus
+
+    net = Net()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=cfg(stage))
+    assert {p.ds_status for p in net.parameters()} == {ZeroParamStatus.AVAILABLE}
     engine.close()

@@ -229,7 +229,9 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
         return self.config.precision.dtype == "bf16"
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
+        """The config's stage, as DeepSpeed answers (ZeRO-1 + Offload runs as ZeRO-2)."""
+        given = (self.ds_config.get("zero_optimization") or {}).get("stage")
+        return given if isinstance(given, int) else self.config.zero.stage
 
     def zero_optimization(self) -> bool:
         return self.config.zero.stage > 0

@@ -140,6 +140,12 @@ def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
             if r.raw(f"{z}.{key}", None) is not None:
                 r.notes.append(f"{z}.{key}: ignored below stage 3 (as DeepSpeed does)")
     offload(r, stage, zero)
+    if stage == 1 and zero.get("offload_optimizer") == "cpu":
+        zero["stage"] = 2
+        r.notes.append(f"{z}.stage=1 with offload_optimizer cpu: run as zerotrain's ZeRO-2 + "
+                       "Offload (DeepSpeed's ZeRO-1 and -2 are one optimizer; with Offload "
+                       "both update this rank's shard on the host from the averaged "
+                       "gradients: the same updates)")
     out["zero"] = zero
 
 
