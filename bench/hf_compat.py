@@ -38,7 +38,7 @@ def ds_config(stage: int) -> dict[str, Any]:
     if stage == 3:
         z["stage3_gather_16bit_weights_on_model_save"] = True
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "train_batch_size": "auto", "zero_optimization": z}
+            "gradient_clipping": "auto", "zero_optimization": z}
 
 
 def launch(impl: str, out: Path, cfg: Path, kind: str, model: Path, nproc: int = 2,

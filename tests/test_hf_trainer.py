@@ -46,7 +46,7 @@ def test_trainer_zero3_save_model_and_resume_at_another_world_size(tmp_path):
     ds = tmp_path / "z3.json"
     ds.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto",
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}))
     out = launch(2, [str(tmp_path / "a"), "--ds", str(ds), "--steps", "2", "--save-steps",
                      "2", "--model", str(model)], tmp_path)
