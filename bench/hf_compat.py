@@ -136,11 +136,26 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/hf_compat")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results" / "hf_compat.json"))
+    ap.add_argument("--rss-only", action="store_true",
+                    help="only the host RSS of from_pretrained at ZeRO-3, on a larger Llama "
+                         "(hidden 512, 4 layers, vocabulary 32000: 43M parameters, 172 MB)")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     import hf_script
 
     root = Path(a.work)
+    if a.rss_only:
+        big = root / "llama-rss"
+        hf_script.make_model_dir(big, 32000, 512, 4)
+        cfg = root / "z3.json"
+        cfg.write_text(json.dumps(ds_config(3)))
+        global STEPS, SAVE
+        STEPS, SAVE = 1, 100
+        rss = {impl: launch(impl, root / f"rss-{impl}", cfg, "trainer", big)["rss_ranks"]
+               for impl in ("deepspeed", "zerotrain")}
+        print(json.dumps({"rss_from_pretrained_zero3_43M": rss}))
+        Path(a.out).write_text(json.dumps({"rss_from_pretrained_zero3_43M": rss}))
+        return
     model = root / f"llama-h{a.hidden}"
     hf_script.make_model_dir(model, 256, a.hidden, 2)
     results = {}
