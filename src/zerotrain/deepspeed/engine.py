@@ -123,8 +123,8 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
         pending = zero.take_pending(model)  # weights written under zero.GatheredParameters
         meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         whole = bool(pending) and all(n in pending for n in meta)  # from_pretrained's case
-        super().__init__(model, config, plan=plan, weights=(lambda n, a, b: pending[n].reshape(
-            -1)[a:b]) if whole else None)  # each rank's shard read from them, unit by unit
+        super().__init__(model, config, plan=plan, weights=(lambda n, a, b: torch.zeros(
+            b - a)) if whole else None)  # laid out; the values come next
         self.ds_config = ds
         self.collate_fn = collate_fn
         self.training_dataloader = None
@@ -137,9 +137,10 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
                                         else client_lr_scheduler)
         else:
             self.client_lr_scheduler = config_scheduler(self.param_source, config, ds)
-        if pending and not whole:
-            with self.full_parameters():
-                self.write_weights(pending)
+        if pending:
+            from zerotrain.deepspeed.pending import hand_out
+
+            hand_out(self, pending, whole)
         pending = {}  # the loaded weights are the shards' now
         self.mark_status()
         self.apply_lr()  # the sharded optimizer starts with the groups' settings

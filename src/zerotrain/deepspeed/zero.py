@@ -39,7 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 
 @contextmanager
@@ -66,11 +69,16 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
                                                    device="meta"), param.requires_grad)
         param._zt_order = next(counter)  # every rank builds the same model: the same order
         return param
-    hook = register_module_parameter_registration_hook(to_meta)
+    def number(module: Any, name: str, buffer: Any) -> None:
+        if buffer is not None:  # buffers stay real; numbered for the broadcasts' order
+            buffer._zt_order = next(counter)
+    hooks = [register_module_parameter_registration_hook(to_meta),
+             register_module_buffer_registration_hook(number)]
     try:
         yield
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
 
 
 def _ordered(params: list[Tensor], engine: Any = None) -> list[Tensor]:
@@ -129,17 +137,24 @@ def _broadcast(params: list[Tensor], src: int) -> None:
                 dist.broadcast(p.data, src=src)
 
 
-#: id(parameter) -> (parameter, values written before initialize); initialize takes them
-_PENDING: dict[int, tuple[Tensor, Tensor]] = {}
+#: id(parameter) -> (parameter, values written before initialize or None where another
+#: rank holds them, the rank that does); initialize takes them
+_PENDING: dict[int, tuple[Tensor, Tensor | None, int]] = {}
 
 
-def take_pending(module: torch.nn.Module) -> dict[str, Tensor]:
-    """Values written into `module`'s meta parameters before initialize, by name."""
+def take_pending(module: torch.nn.Module) -> dict[str, tuple[Tensor | None, int]]:
+    """Values written into `module`'s meta parameters before initialize, by name: (the
+    values, or None where rank `src` alone holds them; src)."""
     out = {}
     for name, p in module.named_parameters():
         if id(p) in _PENDING and _PENDING[id(p)][0] is p:
-            out[name] = _PENDING.pop(id(p))[1]
+            _, value, src = _PENDING.pop(id(p))
+            out[name] = (value, src)
     return out
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _swap(p: Tensor, data: Tensor) -> None:
@@ -154,19 +169,23 @@ def _swap(p: Tensor, data: Tensor) -> None:
 
 @contextmanager
 def _on_host(params: list[Tensor], modifier_rank: int | None) -> Iterator[None]:
-    """Meta parameters made real for the block (zeros, or the values written in an
-    earlier block), kept aside on exit."""
+    """Meta parameters made real for the block (the values written in an earlier block
+    where this rank holds them, else zeros); on exit the modifier rank keeps its values
+    aside, the other ranks only note who holds them: `initialize` hands each rank its
+    shard, so no rank but the loading one holds the whole model (from_pretrained)."""
     meta = [p for p in params if p.device.type == "meta"]
     for p in meta:
         held = _PENDING.get(id(p))
         _swap(p, held[1].clone() if held is not None and held[0] is p
-              else torch.zeros(p.shape, dtype=p.dtype))
+              and held[1] is not None else torch.zeros(p.shape, dtype=p.dtype))
     try:
         yield
         if modifier_rank is not None:
-            _broadcast(params, modifier_rank)
+            _broadcast([p for p in params if p.device.type != "meta"
+                        and not any(p is m for m in meta)], modifier_rank)
+            mine = _rank() == modifier_rank
             for p in meta:
-                _PENDING[id(p)] = (p, p.detach().clone())
+                _PENDING[id(p)] = (p, p.detach().clone() if mine else None, modifier_rank)
     finally:
         for p in meta:
             _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
