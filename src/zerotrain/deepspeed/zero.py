@@ -21,10 +21,12 @@ sees the edit (at ZeRO-0 for the whole run: the ranks' weights part). zerotrain 
 the edit on every rank: bench/ds_compat.py, case `gathered`.)
 
 Before `initialize`, on a model built under `Init` (DeepSpeed's usual way to load
-pretrained weights), the parameters are real tensors inside the block (zeros: nothing
-is drawn before `initialize` lays the model out); with `modifier_rank`, that rank's
-values are broadcast on exit and kept aside (on the host) until `initialize`, which
-writes them over the initial values; the parameters go back to the meta device.
+pretrained weights), the parameters are real tensors inside the block (the values
+written in an earlier block where this rank holds them, else zeros: nothing is drawn
+before `initialize` lays the model out); with `modifier_rank`, that rank keeps its values
+aside on the host and the parameters go back to the meta device. `initialize` then hands
+each rank its part (deepspeed/pending.py: one parameter broadcast at a time, each rank
+keeping only its elements), so no other rank ever holds the whole model.
 """
 
 from __future__ import annotations
