@@ -105,7 +105,7 @@ def main() -> None:
                   max_grad_norm=1.0, logging_steps=1, save_steps=a.save_steps,
                   save_strategy="steps", report_to=[], seed=0, deepspeed=a.ds,
                   dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
-                  save_only_model=False, disable_tqdm=True)
+                  save_only_model=False, disable_tqdm=True, bf16=False, fp16=False)
     if a.kind == "sft":
         from trl import SFTConfig, SFTTrainer
 

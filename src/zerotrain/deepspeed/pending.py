@@ -47,9 +47,12 @@ def hand_out(engine: Any, pending: dict[str, tuple[Tensor | None, int]], whole: 
 
 
 def _broadcast_one(value: Tensor | None, src: int, like: Tensor) -> Tensor:
+    """`value` (held by rank `src`) on every rank, as fp32: exact for any loaded dtype,
+    and the same size on every rank even where the module was cast since (a bf16 run)."""
     if _world() == 1:
         assert value is not None
         return value
-    buf = value if value is not None else torch.empty(like.shape, dtype=like.dtype)
+    buf = (value.float() if value is not None
+           else torch.empty(like.shape, dtype=torch.float32))
     dist.broadcast(buf, src=src)
     return buf
