@@ -31,24 +31,45 @@ EX = HERE / "ds_examples"
 SRC = HERE.parent / "src"
 
 ZF_CONFIG = {  # DeepSpeedExamples' zf_config.json
-    "train_batch_size": 8, "bf16": {"enabled": True},
-    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "zenflow": {"topk_ratio": 0.1, "update_interval": 4,
-                                      "full_warm_up_rounds": 0, "overlap_step": True}},
-    "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8,
-                                              "weight_decay": 0.01}},
-    "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-    "zero_allow_untested_optimizer": True}
+    "train_batch_size": 8,
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "zenflow": {
+            "topk_ratio": 0.1,
+            "update_interval": 4,
+            "full_warm_up_rounds": 0,
+            "overlap_step": True,
+        },
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+    },
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "zero_allow_untested_optimizer": True,
+}
 
 
-def run(impl: str, script: str, out: Path, args: list[str], timeout: int = 1200
-        ) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "TOKENIZERS_PARALLELISM": "false"}
+def run(impl: str, script: str, out: Path, args: list[str], timeout: int = 1200) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     argv = [str(EX / script), "--out", str(out), *args]
     if impl == "deepspeed":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            *argv,
+        ]
     else:
         env["PYTHONPATH"] = f"{SRC}{os.pathsep}{env.get('PYTHONPATH', '')}"
         cmd = [sys.executable, "-m", "zerotrain", "launch", "--nproc", "2", *argv]
@@ -78,19 +99,39 @@ def side(script: str, root: Path, tag: str, args: list[str], keys=("losses",)) -
 
 def bert(root: Path) -> dict:
     out = side("bert.py", root, "bert", ["--steps", "8"])
-    half = {i: run(i, "bert.py", root / f"bert-half-{i}", ["--steps", "4"])
-            for i in ("deepspeed", "zerotrain")}
+    half = {
+        i: run(i, "bert.py", root / f"bert-half-{i}", ["--steps", "4"])
+        for i in ("deepspeed", "zerotrain")
+    }
     ck = {i: str(root / f"bert-half-{i}" / "ckpt") for i in half}
-    ds_res = run("deepspeed", "bert.py", root / "bert-res-ds",
-                 ["--steps", "8", "--load_checkpoint_dir", ck["deepspeed"]])
-    zt_res = run("zerotrain", "bert.py", root / "bert-res-zt",
-                 ["--steps", "8", "--load_checkpoint_dir", ck["zerotrain"]])
-    zt_mig = run("zerotrain", "bert.py", root / "bert-res-zt-from-ds",
-                 ["--steps", "8", "--load_checkpoint_dir", ck["deepspeed"]])
-    full = json.loads((root / "bert-ds" / "rank0.json").read_text())["losses"][4:] \
-        if (root / "bert-ds" / "rank0.json").is_file() else []
-    for name, r in (("resume_deepspeed", ds_res), ("resume_zerotrain", zt_res),
-                    ("resume_zerotrain_from_deepspeed_folder", zt_mig)):
+    ds_res = run(
+        "deepspeed",
+        "bert.py",
+        root / "bert-res-ds",
+        ["--steps", "8", "--load_checkpoint_dir", ck["deepspeed"]],
+    )
+    zt_res = run(
+        "zerotrain",
+        "bert.py",
+        root / "bert-res-zt",
+        ["--steps", "8", "--load_checkpoint_dir", ck["zerotrain"]],
+    )
+    zt_mig = run(
+        "zerotrain",
+        "bert.py",
+        root / "bert-res-zt-from-ds",
+        ["--steps", "8", "--load_checkpoint_dir", ck["deepspeed"]],
+    )
+    full = (
+        json.loads((root / "bert-ds" / "rank0.json").read_text())["losses"][4:]
+        if (root / "bert-ds" / "rank0.json").is_file()
+        else []
+    )
+    for name, r in (
+        ("resume_deepspeed", ds_res),
+        ("resume_zerotrain", zt_res),
+        ("resume_zerotrain_from_deepspeed_folder", zt_mig),
+    ):
         out[name] = r if "failed" in r else rel(r["losses"], full)
     return out
 
@@ -101,13 +142,22 @@ def zenflow(root: Path) -> dict:
     plain["bf16"]["enabled"] = False
     for name, cfg in (("zf_plain.json", plain), ("zf_config.json", ZF_CONFIG)):
         (root / name).write_text(json.dumps(cfg))
-    out = side("zenflow_llama.py", root, "zenflow",
-               ["--steps", "6", "--deepspeed_config", str(root / "zf_plain.json")])
-    refused = run("zerotrain", "zenflow_llama.py", root / "zenflow-asis-zt",
-                  ["--steps", "2", "--deepspeed_config", str(root / "zf_config.json")])
+    out = side(
+        "zenflow_llama.py",
+        root,
+        "zenflow",
+        ["--steps", "6", "--deepspeed_config", str(root / "zf_plain.json")],
+    )
+    refused = run(
+        "zerotrain",
+        "zenflow_llama.py",
+        root / "zenflow-asis-zt",
+        ["--steps", "2", "--deepspeed_config", str(root / "zf_config.json")],
+    )
     text = (root / "zenflow-asis-zt" / "output.txt").read_text()
-    out["as_is_zerotrain"] = next((ln.strip() for ln in text.splitlines()
-                                   if "does not implement" in ln), refused)
+    out["as_is_zerotrain"] = next(
+        (ln.strip() for ln in text.splitlines() if "does not implement" in ln), refused
+    )
     return out
 
 
@@ -123,13 +173,13 @@ def main() -> None:
     for name in a.only.split(","):
         if name == "cifar":
             for stage in (1, 2):
-                rows[f"cifar-z{stage}"] = side("cifar.py", root, f"cifar-z{stage}",
-                                               ["--stage", str(stage), "--steps", "10"])
+                rows[f"cifar-z{stage}"] = side(
+                    "cifar.py", root, f"cifar-z{stage}", ["--stage", str(stage), "--steps", "10"]
+                )
         elif name == "bert":
             rows["bert"] = bert(root)
         elif name == "gan":
-            rows["gan"] = side("gan.py", root, "gan", ["--steps", "8"],
-                               keys=("losses", "lossG"))
+            rows["gan"] = side("gan.py", root, "gan", ["--steps", "8"], keys=("losses", "lossG"))
         elif name == "zenflow":
             rows["zenflow"] = zenflow(root)
         print(json.dumps({k: v for k, v in rows.items() if k.startswith(name)}), flush=True)

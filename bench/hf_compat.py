@@ -37,26 +37,71 @@ def ds_config(stage: int) -> dict[str, Any]:
     z: dict[str, Any] = {"stage": stage}
     if stage == 3:
         z["stage3_gather_16bit_weights_on_model_save"] = True
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": z}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": z,
+    }
 
 
-def launch(impl: str, out: Path, cfg: Path, kind: str, model: Path, nproc: int = 2,
-           gas: int = 2, resume: Path | None = None, timeout: int = 1800) -> dict:
+def launch(
+    impl: str,
+    out: Path,
+    cfg: Path,
+    kind: str,
+    model: Path,
+    nproc: int = 2,
+    gas: int = 2,
+    resume: Path | None = None,
+    timeout: int = 1800,
+) -> dict:
     """One run; its rank-0 result (log, from_pretrained RSS) plus every rank's RSS."""
-    args = [str(out), "--ds", str(cfg), "--kind", kind, "--steps", str(STEPS),
-            "--save-steps", str(SAVE), "--model", str(model), "--gas", str(gas)]
+    args = [
+        str(out),
+        "--ds",
+        str(cfg),
+        "--kind",
+        kind,
+        "--steps",
+        str(STEPS),
+        "--save-steps",
+        str(SAVE),
+        "--model",
+        str(model),
+        "--gas",
+        str(gas),
+    ]
     if resume is not None:
         args += ["--resume", str(resume)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if impl == "deepspeed":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(SCRIPT), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(SCRIPT),
+            *args,
+        ]
     else:
         env["PYTHONPATH"] = f"{SRC}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        cmd = [sys.executable, "-m", "zerotrain", "launch", "--nproc", str(nproc),
-               str(SCRIPT), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zerotrain",
+            "launch",
+            "--nproc",
+            str(nproc),
+            str(SCRIPT),
+            *args,
+        ]
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     (out / "output.txt").write_text(proc.stdout + proc.stderr)
@@ -73,12 +118,14 @@ def rel(a: float, b: float) -> float:
 def compare(mine: list[dict], ref: list[dict], from_step: int = 0) -> dict[str, Any]:
     """Largest relative difference of loss and lr over the steps both logged."""
     ref_at = {r["step"]: r for r in ref}
-    rows = [(m, ref_at[m["step"]]) for m in mine if m["step"] in ref_at and
-            m["step"] > from_step]
+    rows = [(m, ref_at[m["step"]]) for m in mine if m["step"] in ref_at and m["step"] > from_step]
     if not rows:
         return {"steps": 0}
-    return {"steps": len(rows), "loss": max(rel(m["loss"], r["loss"]) for m, r in rows),
-            "lr": max(rel(m["lr"], r["lr"]) if r["lr"] else abs(m["lr"]) for m, r in rows)}
+    return {
+        "steps": len(rows),
+        "loss": max(rel(m["loss"], r["loss"]) for m, r in rows),
+        "lr": max(rel(m["lr"], r["lr"]) if r["lr"] else abs(m["lr"]) for m, r in rows),
+    }
 
 
 def weights_diff(a: Path, b: Path) -> dict[str, Any]:
@@ -88,8 +135,12 @@ def weights_diff(a: Path, b: Path) -> dict[str, Any]:
     if set(x) != set(y):
         return {"keys_differ": sorted(set(x) ^ set(y))}
     diff = max(float((x[k].double() - y[k].double()).abs().max()) for k in x)
-    return {"tensors": len(x), "max_abs": diff, "equal": all(
-        bool((x[k] == y[k]).all()) for k in x), "bytes": (a / "model.safetensors").stat().st_size}
+    return {
+        "tensors": len(x),
+        "max_abs": diff,
+        "equal": all(bool((x[k] == y[k]).all()) for k in x),
+        "bytes": (a / "model.safetensors").stat().st_size,
+    }
 
 
 def loads_back(folder: Path, ref: Path) -> bool:
@@ -113,8 +164,9 @@ def case(kind: str, stage: int, root: Path, model: Path) -> dict[str, Any]:
     ck_zt = root / f"{tag}-zt" / "run" / f"checkpoint-{SAVE}"
     ck_ds = root / f"{tag}-ds" / "run" / f"checkpoint-{SAVE}"
     res = launch("zerotrain", root / f"{tag}-zt-resume", cfg, kind, model, resume=ck_zt)
-    one = launch("zerotrain", root / f"{tag}-zt-resume-1rank", cfg, kind, model, nproc=1,
-                 gas=4, resume=ck_zt)
+    one = launch(
+        "zerotrain", root / f"{tag}-zt-resume-1rank", cfg, kind, model, nproc=1, gas=4, resume=ck_zt
+    )
     mig = launch("zerotrain", root / f"{tag}-zt-from-ds", cfg, kind, model, resume=ck_ds)
     return {
         "vs_deepspeed": compare(zt["log"], ds["log"]),
@@ -124,8 +176,10 @@ def case(kind: str, stage: int, root: Path, model: Path) -> dict[str, Any]:
         "resume_1rank": compare(one["log"], zt["log"], SAVE),
         "resume_from_deepspeed": compare(mig["log"], ds["log"], SAVE),
         "rss_from_pretrained": {"deepspeed": ds["rss_ranks"], "zerotrain": zt["rss_ranks"]},
-        "losses": {"deepspeed": [r["loss"] for r in ds["log"]],
-                   "zerotrain": [r["loss"] for r in zt["log"]]},
+        "losses": {
+            "deepspeed": [r["loss"] for r in ds["log"]],
+            "zerotrain": [r["loss"] for r in zt["log"]],
+        },
     }
 
 
@@ -136,9 +190,12 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/hf_compat")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results" / "hf_compat.json"))
-    ap.add_argument("--rss-only", action="store_true",
-                    help="only the host RSS of from_pretrained at ZeRO-3, on a larger Llama "
-                         "(hidden 512, 4 layers, vocabulary 32000: 43M parameters, 172 MB)")
+    ap.add_argument(
+        "--rss-only",
+        action="store_true",
+        help="only the host RSS of from_pretrained at ZeRO-3, on a larger Llama "
+        "(hidden 512, 4 layers, vocabulary 32000: 43M parameters, 172 MB)",
+    )
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     import hf_script
@@ -151,8 +208,10 @@ def main() -> None:
         cfg.write_text(json.dumps(ds_config(3)))
         global STEPS, SAVE
         STEPS, SAVE = 1, 100
-        rss = {impl: launch(impl, root / f"rss-{impl}", cfg, "trainer", big)["rss_ranks"]
-               for impl in ("deepspeed", "zerotrain")}
+        rss = {
+            impl: launch(impl, root / f"rss-{impl}", cfg, "trainer", big)["rss_ranks"]
+            for impl in ("deepspeed", "zerotrain")
+        }
         print(json.dumps({"rss_from_pretrained_zero3_43M": rss}))
         Path(a.out).write_text(json.dumps({"rss_from_pretrained_zero3_43M": rss}))
         return
@@ -162,8 +221,10 @@ def main() -> None:
     for kind in a.kinds.split(","):
         for stage in (int(s) for s in a.stages.split(",")):
             results[f"{kind}-z{stage}"] = r = case(kind, stage, root, model)
-            print(json.dumps({f"{kind}-z{stage}": {k: v for k, v in r.items()
-                                                    if k != "losses"}}), flush=True)
+            print(
+                json.dumps({f"{kind}-z{stage}": {k: v for k, v in r.items() if k != "losses"}}),
+                flush=True,
+            )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1))
 

@@ -23,8 +23,9 @@ def run_py(code: str) -> dict:
     """Run `code` in a fresh interpreter (zerotrain from this tree); its last stdout
     line is JSON."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -47,8 +48,17 @@ print(json.dumps({"before": before, "said": buf.getvalue().count("resolves to"),
   "init": deepspeed.initialize is zd.initialize, "rank": dist.get_rank(),
   "t": t_avail(), "a": a_avail(), "ge": compare_versions("deepspeed", ">=", "0.16.4")}))
 """)
-    assert r == {"before": r["before"], "said": 1, "version": "0.19.8", "meta": "0.19.8",
-                 "init": True, "rank": 0, "t": True, "a": True, "ge": True}
+    assert r == {
+        "before": r["before"],
+        "said": 1,
+        "version": "0.19.8",
+        "meta": "0.19.8",
+        "init": True,
+        "rank": 0,
+        "t": True,
+        "a": True,
+        "ge": True,
+    }
 
 
 def test_only_the_process_that_installs_sees_it():
@@ -125,14 +135,14 @@ def test_module_values(tmp_path):
     assert c["w"].untyped_storage().nbytes() == 8  # its own storage, not the 40-byte one
     torch.save(c, tmp_path / "c.pt")
     assert torch.load(tmp_path / "c.pt")["n"][0].item() == 0.0
-    seen = move_to_device((torch.ones(1), [torch.zeros(1)]), "cpu",
-                          criterion_func=lambda t: t.sum() > 0)
+    seen = move_to_device(
+        (torch.ones(1), [torch.zeros(1)]), "cpu", criterion_func=lambda t: t.sum() > 0
+    )
     assert isinstance(seen, tuple) and seen[0].item() == 1.0
 
 
 def test_other_majors_are_refused_in_one_line():
-    check_versions({"transformers": TESTED["transformers"], "accelerate": "1.99.0",
-                    "trl": None})
+    check_versions({"transformers": TESTED["transformers"], "accelerate": "1.99.0", "trl": None})
     with pytest.raises(RuntimeError) as e:
         check_versions({"transformers": "4.57.1", "accelerate": None, "trl": None})
     msg = str(e.value)

@@ -32,16 +32,21 @@ class Net(nn.Module):
 
 
 def cfg(stage: int, gas: int = 1, **zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
-            "zero_optimization": {"stage": stage, **zero}, "steps_per_print": float("inf"),
-            "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the reference clips not
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": stage, **zero},
+        "steps_per_print": float("inf"),
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the reference clips not
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+    }
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)
+    ]
 
 
 def loss_of(model, x, y) -> torch.Tensor:
@@ -54,7 +59,7 @@ def reference_after(ref: nn.Module, micro: list, updates: int) -> nn.Module:
     per = len(micro) // updates
     for u in range(updates):
         opt.zero_grad()
-        for x, y in micro[u * per:(u + 1) * per]:
+        for x, y in micro[u * per : (u + 1) * per]:
             (loss_of(ref, x, y) / per).backward()
         opt.step()
     return ref
@@ -64,12 +69,18 @@ def reference_after(ref: nn.Module, micro: list, updates: int) -> nn.Module:
 def test_engine_is_a_module_with_the_deepspeed_config_dict(stage):
     torch.manual_seed(0)
     net = Net()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config=cfg(stage))
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=cfg(stage)
+    )
     assert isinstance(engine, nn.Module)
     assert [n for n, _ in engine.named_parameters()] == [
-        "module.inp.weight", "module.inp.bias", "module.norm.weight", "module.norm.bias",
-        "module.head.weight", "module.head.bias"]
+        "module.inp.weight",
+        "module.inp.bias",
+        "module.norm.weight",
+        "module.norm.bias",
+        "module.head.weight",
+        "module.head.bias",
+    ]
     assert all(a is b for a, b in zip(engine.parameters(), net.parameters()))
     assert list(engine.children()) == [net]
     assert isinstance(engine.config, dict)
@@ -89,8 +100,9 @@ def test_accelerate_boundary_and_trainer_loss_scaling(stage):
     torch.manual_seed(0)
     net = Net()
     ref = copy.deepcopy(net)
-    engine, opt, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                           config=cfg(stage, gas=2))
+    engine, opt, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=cfg(stage, gas=2)
+    )
     micro = batches(4)
     for i, (x, y) in enumerate(micro):
         sync = i % 2 == 1
@@ -110,8 +122,9 @@ def test_no_boundary_no_update():
     torch.manual_seed(0)
     net = Net()
     before = copy.deepcopy(net.state_dict())
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config=cfg(2, gas=2))
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=cfg(2, gas=2)
+    )
     x, y = batches(1)[0]
     engine.set_gradient_accumulation_boundary(False)
     engine.backward(loss_of(engine, x, y))
@@ -127,8 +140,10 @@ def test_zero3_consolidated_state_dict_and_gather_flag():
     net = Net()
     ref = copy.deepcopy(net)
     engine, *_ = deepspeed.initialize(
-        model=net, model_parameters=net.parameters(),
-        config=cfg(3, stage3_gather_16bit_weights_on_model_save=True))
+        model=net,
+        model_parameters=net.parameters(),
+        config=cfg(3, stage3_gather_16bit_weights_on_model_save=True),
+    )
     assert engine.zero_gather_16bit_weights_on_model_save() is True
     micro = batches(1)
     engine.backward(loss_of(engine, *micro[0]))
@@ -143,8 +158,7 @@ def test_zero3_consolidated_state_dict_and_gather_flag():
     assert set(frozen) == set(sd)  # nothing is frozen here
     engine.close()
     net2 = Net()
-    e2, *_ = deepspeed.initialize(model=net2, model_parameters=net2.parameters(),
-                                  config=cfg(3))
+    e2, *_ = deepspeed.initialize(model=net2, model_parameters=net2.parameters(), config=cfg(3))
     assert e2.zero_gather_16bit_weights_on_model_save() is False  # DeepSpeed's default
     e2.close()
 
@@ -154,11 +168,13 @@ def test_safe_get_and_set_full_fp32_param(stage):
     torch.manual_seed(0)
     net = Net()
     ref = copy.deepcopy(net)
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config=cfg(stage))
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=cfg(stage)
+    )
     w = net.head.weight
-    torch.testing.assert_close(safe_get_full_fp32_param(w), ref.head.weight.detach(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        safe_get_full_fp32_param(w), ref.head.weight.detach(), rtol=0, atol=0
+    )
     new = torch.full_like(ref.head.weight, 0.25)
     safe_set_full_fp32_param(w, new)
     assert torch.equal(safe_get_full_fp32_param(w), new)
@@ -168,8 +184,9 @@ def test_safe_get_and_set_full_fp32_param(stage):
     engine.backward(loss_of(engine, *micro[0]))
     engine.step()  # the update starts from the value set (the master was written)
     reference_after(ref, micro, updates=1)
-    torch.testing.assert_close(safe_get_full_fp32_param(w), ref.head.weight.detach(),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        safe_get_full_fp32_param(w), ref.head.weight.detach(), rtol=1e-5, atol=1e-6
+    )
     engine.close()
 
 
@@ -192,8 +209,7 @@ def test_zero_init_and_gathered_parameters_as_from_pretrained_drives_them():
     assert all(getattr(p, "_is_hf_initialized", False) for p in net.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
         assert torch.equal(net.head.bias, loaded["head.bias"])  # the earlier block's value
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config=cfg(3))
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg(3))
     sd = engine._zero3_consolidated_16bit_state_dict()
     assert all(torch.equal(sd[k], v) for k, v in loaded.items())
     engine.close()
@@ -207,17 +223,21 @@ def test_config_keys_accelerate_writes_and_zenflow():
     bad = cfg(2, offload_optimizer={"device": "cpu"}, zenflow={"topk_ratio": 0.05})
     with pytest.raises(ConfigError) as e:
         load_deepspeed_config(bad, 1)
-    assert ("zero_optimization.zenflow.topk_ratio=0.05: a DeepSpeed setting zerotrain does "
-            "not implement: ZenFlow") in str(e.value)
+    assert (
+        "zero_optimization.zenflow.topk_ratio=0.05: a DeepSpeed setting zerotrain does "
+        "not implement: ZenFlow"
+    ) in str(e.value)
 
 
 def test_hf_datasets_dataset_as_training_data():
     datasets = pytest.importorskip("datasets")
-    rows = datasets.Dataset.from_dict({"x": [[float(i)] * 6 for i in range(8)],
-                                       "y": list(range(8))})
+    rows = datasets.Dataset.from_dict(
+        {"x": [[float(i)] * 6 for i in range(8)], "y": list(range(8))}
+    )
     net = Net()
-    engine, _, loader, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                                config=cfg(1), training_data=rows)
+    engine, _, loader, _ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=cfg(1), training_data=rows
+    )
     got = sorted(int(v) for b in loader for v in b["y"])
     assert got == list(range(8)) and len(loader) == 2  # micro-batches of 4, world 1
     engine.close()
@@ -230,8 +250,10 @@ def test_zero1_with_cpu_offload_runs_as_deepspeed_does():
     net = Net()
     ref = copy.deepcopy(net)
     engine, *_ = deepspeed.initialize(
-        model=net, model_parameters=net.parameters(),
-        config=cfg(1, offload_optimizer={"device": "cpu"}))
+        model=net,
+        model_parameters=net.parameters(),
+        config=cfg(1, offload_optimizer={"device": "cpu"}),
+    )
     assert engine.zero_optimization_stage() == 1
     assert engine.config.zero.offload_optimizer == "cpu"
     micro = batches(2)
@@ -252,7 +274,8 @@ def test_ds_status_says_where_a_parameter_is_whole(stage):
     from zerotrain.deepspeed.zero import ZeroParamStatus
 
     net = Net()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config=cfg(stage))
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=cfg(stage)
+    )
     assert {p.ds_status for p in net.parameters()} == {ZeroParamStatus.AVAILABLE}
     engine.close()

@@ -24,11 +24,19 @@ SCRIPT = ROOT / "bench" / "hf_script.py"
 
 
 def launch(nproc: int, args: list[str], cwd: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}"
-           f"{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--nproc", str(nproc),
-                        str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "zerotrain", "launch", "--nproc", str(nproc), str(SCRIPT), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return p.stdout + p.stderr
 
@@ -44,12 +52,34 @@ def test_trainer_zero3_save_model_and_resume_at_another_world_size(tmp_path):
     model = tmp_path / "llama"
     hf_script.make_model_dir(model, 256, 32, 2)
     ds = tmp_path / "z3.json"
-    ds.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}))
-    out = launch(2, [str(tmp_path / "a"), "--ds", str(ds), "--steps", "3", "--save-steps",
-                     "2", "--model", str(model)], tmp_path)
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_gather_16bit_weights_on_model_save": True,
+                },
+            }
+        )
+    )
+    out = launch(
+        2,
+        [
+            str(tmp_path / "a"),
+            "--ds",
+            str(ds),
+            "--steps",
+            "3",
+            "--save-steps",
+            "2",
+            "--model",
+            str(model),
+        ],
+        tmp_path,
+    )
     assert out.count("resolves to zerotrain.deepspeed") == 1  # said once, on rank 0
     log = json.loads((tmp_path / "a" / "result_rank0.json").read_text())["log"]
     assert [r["step"] for r in log] == [1, 2, 3] and all(r["loss"] > 0 for r in log)
@@ -63,9 +93,25 @@ def test_trainer_zero3_save_model_and_resume_at_another_world_size(tmp_path):
     assert all(torch.equal(back[k], v) for k, v in saved.items())
     # step 3 again on 1 rank with twice the accumulation (the same global batch), from the
     # 2-rank checkpoint of step 2: the same loss and the same weights after it
-    launch(1, [str(tmp_path / "b"), "--ds", str(ds), "--steps", "3", "--save-steps", "2",
-               "--gas", "4", "--model", str(model), "--resume",
-               str(tmp_path / "a" / "run" / "checkpoint-2")], tmp_path)
+    launch(
+        1,
+        [
+            str(tmp_path / "b"),
+            "--ds",
+            str(ds),
+            "--steps",
+            "3",
+            "--save-steps",
+            "2",
+            "--gas",
+            "4",
+            "--model",
+            str(model),
+            "--resume",
+            str(tmp_path / "a" / "run" / "checkpoint-2"),
+        ],
+        tmp_path,
+    )
     again = json.loads((tmp_path / "b" / "result_rank0.json").read_text())["log"]
     assert [r["step"] for r in again] == [3]
     assert again[0]["loss"] == pytest.approx(log[2]["loss"], rel=1e-5)

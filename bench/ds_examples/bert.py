@@ -31,8 +31,9 @@ class TinyMLM(nn.Module):
 
     def forward(self, src_tokens: torch.Tensor, tgt_tokens: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.enc(self.emb(src_tokens)))
-        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tgt_tokens.reshape(-1),
-                                           ignore_index=0)
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), tgt_tokens.reshape(-1), ignore_index=0
+        )
 
 
 def batch_at(step: int, rank: int) -> dict[str, torch.Tensor]:
@@ -52,11 +53,14 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(42)
     model = TinyMLM()
-    ds_config = {"train_micro_batch_size_per_gpu": 4,
-                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                 "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
-    model, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+    }
+    model, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config
+    )
     log_dist("DeepSpeed engine created", ranks=[0], level=logging.INFO)
     start = 1
     if args.load_checkpoint_dir is not None:
@@ -74,8 +78,9 @@ def main() -> None:
         model.step()
         losses.append(loss.item())
         if step % args.checkpoint_every == 0:
-            model.save_checkpoint(save_dir=os.path.join(args.out, "ckpt"),
-                                  client_state={"checkpoint_step": step})
+            model.save_checkpoint(
+                save_dir=os.path.join(args.out, "ckpt"), client_state={"checkpoint_step": step}
+            )
     record(args.out, losses=losses, numel=numel, start=start)
 
 

@@ -33,18 +33,32 @@ class Net(nn.Module):
 
 def config(stage: int) -> dict:
     return {
-        "train_batch_size": 16, "steps_per_print": 2000,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.999],
-                                                 "eps": 1e-8, "weight_decay": 3e-7}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
-                                                     "warmup_num_steps": 1000}},
-        "gradient_clipping": 1.0, "prescale_gradients": False,
-        "bf16": {"enabled": False}, "fp16": {"enabled": False},
+        "train_batch_size": 16,
+        "steps_per_print": 2000,
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": 1e-3, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000},
+        },
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": stage, "allgather_partitions": True,
-                              "reduce_scatter": True, "allgather_bucket_size": 50000000,
-                              "reduce_bucket_size": 50000000, "overlap_comm": True,
-                              "contiguous_gradients": True, "cpu_offload": False}}
+        "zero_optimization": {
+            "stage": stage,
+            "allgather_partitions": True,
+            "reduce_scatter": True,
+            "allgather_bucket_size": 50000000,
+            "reduce_bucket_size": 50000000,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "cpu_offload": False,
+        },
+    }
 
 
 def main() -> None:
@@ -59,14 +73,20 @@ def main() -> None:
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    trainset = torch.utils.data.TensorDataset(torch.randn(400, 3, 32, 32, generator=g),
-                                              torch.randint(0, 10, (400,), generator=g))
+    trainset = torch.utils.data.TensorDataset(
+        torch.randn(400, 3, 32, 32, generator=g), torch.randint(0, 10, (400,), generator=g)
+    )
     net = Net()
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": [q for q in net.parameters() if q.requires_grad], "name": "parameters"})
+        {"params": [q for q in net.parameters() if q.requires_grad], "name": "parameters"}
+    )
     engine, _, trainloader, _ = deepspeed.initialize(
-        args=args, model=net, model_parameters=groups, training_data=trainset,
-        config=config(args.stage))
+        args=args,
+        model=net,
+        model_parameters=groups,
+        training_data=trainset,
+        config=config(args.stage),
+    )
     device = get_accelerator().device_name(engine.local_rank)
     criterion = nn.CrossEntropyLoss()
     losses = []
@@ -79,8 +99,10 @@ def main() -> None:
         losses.append(loss.item())
     engine.eval()
     with torch.no_grad():
-        correct = sum(int((engine(x).argmax(1) == y).sum()) for x, y in
-                      torch.utils.data.DataLoader(trainset, batch_size=50))
+        correct = sum(
+            int((engine(x).argmax(1) == y).sum())
+            for x, y in torch.utils.data.DataLoader(trainset, batch_size=50)
+        )
     engine.save_checkpoint(os.path.join(args.out, "ckpt"))
     record(args.out, losses=losses, correct=correct)
 

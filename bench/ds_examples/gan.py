@@ -20,10 +20,20 @@ NZ = 8
 
 
 def nets() -> tuple[nn.Module, nn.Module]:
-    g = nn.Sequential(nn.ConvTranspose2d(NZ, 16, 4, 1, 0, bias=False), nn.BatchNorm2d(16),
-                      nn.ReLU(True), nn.ConvTranspose2d(16, 3, 4, 4, 0, bias=False), nn.Tanh())
-    d = nn.Sequential(nn.Conv2d(3, 16, 4, 4, 0, bias=False), nn.LeakyReLU(0.2, True),
-                      nn.Conv2d(16, 1, 4, 1, 0, bias=False), nn.Sigmoid(), nn.Flatten(0))
+    g = nn.Sequential(
+        nn.ConvTranspose2d(NZ, 16, 4, 1, 0, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(True),
+        nn.ConvTranspose2d(16, 3, 4, 4, 0, bias=False),
+        nn.Tanh(),
+    )
+    d = nn.Sequential(
+        nn.Conv2d(3, 16, 4, 4, 0, bias=False),
+        nn.LeakyReLU(0.2, True),
+        nn.Conv2d(16, 1, 4, 1, 0, bias=False),
+        nn.Sigmoid(),
+        nn.Flatten(0),
+    )
     return d, g
 
 
@@ -37,18 +47,29 @@ def main() -> None:
     if args.deepspeed_config is None:  # the example's gan_deepspeed_config.json
         path = os.path.join(tempfile.mkdtemp(), "gan.json")
         with open(path, "w") as f:
-            json.dump({"train_batch_size": 16, "steps_per_print": 10, "optimizer": {
-                "type": "Adam", "params": {"lr": 2e-4, "betas": [0.5, 0.999], "eps": 1e-8}}}, f)
+            json.dump(
+                {
+                    "train_batch_size": 16,
+                    "steps_per_print": 10,
+                    "optimizer": {
+                        "type": "Adam",
+                        "params": {"lr": 2e-4, "betas": [0.5, 0.999], "eps": 1e-8},
+                    },
+                },
+                f,
+            )
         args.deepspeed_config = path
     torch.manual_seed(0)
     netD, netG = nets()
     criterion = nn.BCELoss()
     optD = torch.optim.Adam(netD.parameters(), lr=2e-4, betas=(0.5, 0.999))
     optG = torch.optim.Adam(netG.parameters(), lr=2e-4, betas=(0.5, 0.999))
-    engD, optD, _, _ = deepspeed.initialize(args=args, model=netD,
-                                            model_parameters=netD.parameters(), optimizer=optD)
-    engG, optG, _, _ = deepspeed.initialize(args=args, model=netG,
-                                            model_parameters=netG.parameters(), optimizer=optG)
+    engD, optD, _, _ = deepspeed.initialize(
+        args=args, model=netD, model_parameters=netD.parameters(), optimizer=optD
+    )
+    engG, optG, _, _ = deepspeed.initialize(
+        args=args, model=netG, model_parameters=netG.parameters(), optimizer=optG
+    )
     rank = int(os.environ.get("RANK", "0"))
     g = torch.Generator().manual_seed(10 + rank)  # each rank its own data, as a sampler
     lossD, lossG = [], []

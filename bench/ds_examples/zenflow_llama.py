@@ -27,16 +27,27 @@ def main() -> None:
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args()
     torch.manual_seed(42)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, 128, (16,), generator=g).tolist() for _ in range(96)]
-    data = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * 16] * 96,
-                              "labels": rows})
+    data = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * 16] * 96, "labels": rows})
     model_engine, _, loader, _ = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=data,
-        collate_fn=default_data_collator)
+        args=args,
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=data,
+        collate_fn=default_data_collator,
+    )
     model_engine.train()
     losses = []
     for step, batch in enumerate(loader):

@@ -35,6 +35,7 @@ def hand_out(engine: Any, pending: dict[str, tuple[Tensor | None, int]], whole: 
     def record(name: str, start: int, stop: int) -> Tensor:
         wanted[name].append((start, stop))
         return torch.zeros(stop - start)
+
     engine.strategy.load_weights(record)  # which elements this rank keeps
     kept: dict[tuple[str, int, int], Tensor] = {}
     for name, p in params.items():  # the same order on every rank
@@ -52,7 +53,6 @@ def _broadcast_one(value: Tensor | None, src: int, like: Tensor) -> Tensor:
     if _world() == 1:
         assert value is not None
         return value
-    buf = (value.float() if value is not None
-           else torch.empty(like.shape, dtype=torch.float32))
+    buf = value.float() if value is not None else torch.empty(like.shape, dtype=torch.float32)
     dist.broadcast(buf, src=src)
     return buf

@@ -13,12 +13,16 @@ import torch
 from zerotrain.deepspeed.engine import DeepSpeedEngine
 from zerotrain.deepspeed.zero import ZeroParamStatus
 
-__all__ = ["VALID_LR_SCHEDULES", "DeepSpeedEngine", "ZeroParamStatus",
-           "clone_tensors_for_torch_save", "move_to_device"]
+__all__ = [
+    "VALID_LR_SCHEDULES",
+    "DeepSpeedEngine",
+    "ZeroParamStatus",
+    "clone_tensors_for_torch_save",
+    "move_to_device",
+]
 
 #: DeepSpeed's scheduler names (Accelerate hands a scheduler of these types to initialize)
-VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR",
-                      "WarmupCosineLR"]
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 
 
 def move_to_device(item: Any, device: Any, criterion_func: Any = None) -> Any:

@@ -49,8 +49,9 @@ class HFSurface:
     @config.setter
     def config(self, value: Any) -> None:
         ds = self.__dict__.get("ds_config", {})
-        self.__dict__["_ds_view"] = value if isinstance(value, ConfigDict) else ConfigDict(
-            ds, value)
+        self.__dict__["_ds_view"] = (
+            value if isinstance(value, ConfigDict) else ConfigDict(ds, value)
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward (DeepSpeed's `engine.forward`)."""
@@ -70,8 +71,9 @@ class HFSurface:
         for u in strategy.units:
             whole = strategy.stage < 3 or u is root or getattr(u, "persistent", False)
             for slot in u.slots:
-                slot.param.ds_status = (ZeroParamStatus.AVAILABLE if whole
-                                        else ZeroParamStatus.NOT_AVAILABLE)
+                slot.param.ds_status = (
+                    ZeroParamStatus.AVAILABLE if whole else ZeroParamStatus.NOT_AVAILABLE
+                )
 
     # ------------------------------------------------------------------ accumulation
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -89,11 +91,16 @@ class HFSurface:
         """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's default:
         False, and then Accelerate refuses to gather a ZeRO-3 model for `save_model`)."""
         z = self.config.get("zero_optimization", {}) or {}
-        return bool(z.get("stage3_gather_16bit_weights_on_model_save",
-                          z.get("stage3_gather_fp16_weights_on_model_save", False)))
+        return bool(
+            z.get(
+                "stage3_gather_16bit_weights_on_model_save",
+                z.get("stage3_gather_fp16_weights_on_model_save", False),
+            )
+        )
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> OrderedDict[str, torch.Tensor]:
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> OrderedDict[str, torch.Tensor]:
         """Collective: the whole model's state dict (parameters in the module's dtype,
         buffers), on rank 0 only (other ranks get an empty dict), as DeepSpeed's. Tied
         parameters appear under each name, one tensor."""
@@ -103,14 +110,18 @@ class HFSurface:
             if self.rank == 0:  # type: ignore[attr-defined]
                 seen: dict[int, torch.Tensor] = {}  # tied weights: one tensor, each name
                 for name, t in module.state_dict(keep_vars=True).items():  # module order
-                    if (exclude_frozen_parameters and isinstance(t, torch.nn.Parameter)
-                            and not t.requires_grad):
+                    if (
+                        exclude_frozen_parameters
+                        and isinstance(t, torch.nn.Parameter)
+                        and not t.requires_grad
+                    ):
                         continue
                     if id(t) not in seen:
                         seen[id(t)] = t.detach().to("cpu", copy=True)
                     out[name] = seen[id(t)]
         return out
 
-    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                       ) -> OrderedDict[str, torch.Tensor]:
+    def _consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> OrderedDict[str, torch.Tensor]:
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)

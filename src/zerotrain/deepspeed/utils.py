@@ -18,8 +18,14 @@ from torch import Tensor
 
 from zerotrain.deepspeed import zero
 
-__all__ = ["log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
-           "safe_get_full_optimizer_state", "safe_set_full_fp32_param"]
+__all__ = [
+    "log_dist",
+    "logger",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+]
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -35,9 +41,11 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
 def _engine_of(param: Tensor) -> Any:
     engine = zero._owner([param])
     if engine is None:
-        raise ValueError("safe_get/set_full_*: the parameter belongs to no zerotrain.deepspeed "
-                         "engine (call it after deepspeed.initialize, with a parameter of "
-                         "engine.module)")
+        raise ValueError(
+            "safe_get/set_full_*: the parameter belongs to no zerotrain.deepspeed "
+            "engine (call it after deepspeed.initialize, with a parameter of "
+            "engine.module)"
+        )
     return engine
 
 
@@ -66,8 +74,10 @@ def safe_set_full_fp32_param(param: Tensor, value: Tensor) -> None:
 def safe_get_full_grad(param: Tensor) -> Tensor | None:
     """The whole averaged gradient of the last backward, or None (zerotrain keeps only the
     reduced shards of a gradient between backward and step: not readable as a whole)."""
-    raise NotImplementedError("safe_get_full_grad: zerotrain keeps gradients as reduced "
-                              "shards inside the engine; not implemented")
+    raise NotImplementedError(
+        "safe_get_full_grad: zerotrain keeps gradients as reduced "
+        "shards inside the engine; not implemented"
+    )
 
 
 def safe_get_full_optimizer_state(param: Tensor, optim_state_key: str) -> Tensor | None:

@@ -24,6 +24,7 @@ from zerotrain.hf.versions import TESTED, check_versions
 
 __all__ = ["TESTED", "install", "installed", "uninstall"]
 
+
 def installed() -> bool:
     """Whether `import deepspeed` resolves to zerotrain.deepspeed in this process."""
     return alias.installed()
@@ -40,18 +41,23 @@ def install(quiet: bool = False) -> None:
     check_versions()
     real = sys.modules.get("deepspeed")
     if real is not None and not isinstance(real, alias.AliasModule):
-        raise RuntimeError("zerotrain.hf.install(): the real deepspeed is already imported "
-                           "in this process; call install() (or start with `zerotrain launch`"
-                           " / `-m zerotrain.hf`) before anything imports deepspeed")
+        raise RuntimeError(
+            "zerotrain.hf.install(): the real deepspeed is already imported "
+            "in this process; call install() (or start with `zerotrain launch`"
+            " / `-m zerotrain.hf`) before anything imports deepspeed"
+        )
     stale = sys.modules.get("transformers.integrations.deepspeed")
     alias.add()
     if stale is not None and not getattr(stale, "is_deepspeed_available", lambda: True)():
         # transformers looked before the finder was there: let it look again
         del sys.modules["transformers.integrations.deepspeed"]
     if not quiet and os.environ.get("RANK", "0") == "0":
-        print(f"[zerotrain] `import deepspeed` resolves to zerotrain.deepspeed (DeepSpeed "
-              f"{alias.DEEPSPEED_VERSION}'s API) in this run; nothing else on the machine "
-              "changes", flush=True)
+        print(
+            f"[zerotrain] `import deepspeed` resolves to zerotrain.deepspeed (DeepSpeed "
+            f"{alias.DEEPSPEED_VERSION}'s API) in this run; nothing else on the machine "
+            "changes",
+            flush=True,
+        )
 
 
 def uninstall() -> None:

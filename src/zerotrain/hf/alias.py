@@ -31,7 +31,6 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.engine": "zerotrain.deepspeed.engine",
     "deepspeed.runtime.zero": "zerotrain.deepspeed.zero",
     "deepspeed.runtime.zero.partition_parameters": "zerotrain.deepspeed.zero",
-
     "deepspeed.runtime.lr_schedules": "zerotrain.deepspeed.runtime",
     "deepspeed.runtime.utils": "zerotrain.deepspeed.runtime",
     "deepspeed.checkpoint": "zerotrain.deepspeed.runtime",
@@ -41,13 +40,27 @@ RENAMED: dict[str, str] = {
     "deepspeed.moe.layer": "zerotrain.deepspeed.moe",
 }
 
+
 def target_of(name: str) -> str:
     """The zerotrain module answering DeepSpeed module `name`."""
-    return RENAMED.get(name, "zerotrain.deepspeed" + name[len("deepspeed"):])
+    return RENAMED.get(name, "zerotrain.deepspeed" + name[len("deepspeed") :])
+
 
 #: module attributes the import system reads from the stand-in itself
-_OWN = frozenset({"__path__", "__file__", "__loader__", "__spec__", "__package__",
-                  "__cached__", "__builtins__", "__getattr__", "__dir__"})
+_OWN = frozenset(
+    {
+        "__path__",
+        "__file__",
+        "__loader__",
+        "__spec__",
+        "__package__",
+        "__cached__",
+        "__builtins__",
+        "__getattr__",
+        "__dir__",
+    }
+)
+
 
 class AliasModule(types.ModuleType):
     """`deepspeed.X`: reads fall through to zerotrain's module, then to a submodule."""
@@ -61,13 +74,17 @@ class AliasModule(types.ModuleType):
         try:
             return importlib.import_module(f"{self.__name__}.{attr}")
         except ImportError:
-            raise AttributeError(f"module '{self.__name__}' (zerotrain.deepspeed) has no "
-                                 f"attribute '{attr}': DeepSpeed API zerotrain does not "
-                                 "implement (docs/hf.md lists what it does)") from None
+            raise AttributeError(
+                f"module '{self.__name__}' (zerotrain.deepspeed) has no "
+                f"attribute '{attr}': DeepSpeed API zerotrain does not "
+                "implement (docs/hf.md lists what it does)"
+            ) from None
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(dir(importlib.import_module(
-            self.__zerotrain__))))
+        return sorted(
+            set(super().__dir__()) | set(dir(importlib.import_module(self.__zerotrain__)))
+        )
+
 
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
@@ -79,21 +96,26 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing to run: every read goes to zerotrain's module."""
 
+
 class _Dist(importlib.metadata.Distribution):
     """The distribution `deepspeed` as transformers and Accelerate read it."""
 
     def read_text(self, filename: str) -> str | None:
         if filename in ("METADATA", "PKG-INFO"):
-            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
-                    "Summary: DeepSpeed's API, answered by zerotrain.deepspeed\n")
+            return (
+                f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
+                "Summary: DeepSpeed's API, answered by zerotrain.deepspeed\n"
+            )
         return None
 
     def locate_file(self, path: Any) -> Path:
         return Path(importlib.import_module("zerotrain").__file__).parent / str(path)
 
+
 class DeepSpeedFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
             return None
         try:
@@ -109,15 +131,19 @@ class DeepSpeedFinder(importlib.abc.MetaPathFinder):
             return [_Dist()]
         return []
 
+
 FINDER = DeepSpeedFinder()
+
 
 def installed() -> bool:
     return FINDER in sys.meta_path
+
 
 def add() -> None:
     """Put the finder first (idempotent)."""
     if not installed():
         sys.meta_path.insert(0, FINDER)
+
 
 def remove() -> None:
     """Take the finder away and forget the stand-in modules (tests)."""

@@ -26,4 +26,5 @@ def check_versions(versions: dict[str, str | None] | None = None) -> None:
             raise RuntimeError(
                 f"{dist} {have} is not supported by zerotrain.hf (tested with {dist} {want}; "
                 f"other major versions are refused): pip install 'zerotrain[hf]' installs "
-                f"{dist}=={want}")
+                f"{dist}=={want}"
+            )

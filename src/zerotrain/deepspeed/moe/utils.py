@@ -15,7 +15,8 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 
 def split_params_into_different_moe_groups_for_optimizer(
-        param_groups: Any, max_group_size: int | None = 178956971) -> list[dict[str, Any]]:
+    param_groups: Any, max_group_size: int | None = 178956971
+) -> list[dict[str, Any]]:
     """The groups as a list (a dict becomes a one-group list, a tuple a list, as
     DeepSpeed returns them); an expert (MoE) parameter, which zerotrain cannot hold, is
     refused."""
@@ -27,8 +28,10 @@ def split_params_into_different_moe_groups_for_optimizer(
         raise ValueError(f"Unknown param group type of {type(param_groups)}")
     for g in groups:
         if any(is_moe_param(p) for p in g["params"]):
-            raise ValueError("an expert (MoE) parameter is in the param groups: DeepSpeed MoE "
-                             "layers are not supported by zerotrain")
+            raise ValueError(
+                "an expert (MoE) parameter is in the param groups: DeepSpeed MoE "
+                "layers are not supported by zerotrain"
+            )
     return groups
 
 
