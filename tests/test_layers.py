@@ -26,6 +26,7 @@ LAYERS = {
     "zerotrain.cli": APP,  # the commands: one module each, and what they share
     "zerotrain.run": APP,  # a training run: setup, loop, report, run folder, lr-find
     "zerotrain.deepspeed": APP,  # DeepSpeed's script surface over the engine (a user's script)
+    "zerotrain.hf": APP,  # `import deepspeed` -> zerotrain.deepspeed for HF Trainer / TRL
     "zerotrain.engine": 5,
     "zerotrain.engine_api": 5,  # the DeepSpeed-style methods beside the engine
     "zerotrain.checkpoint": 4,

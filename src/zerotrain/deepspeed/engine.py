@@ -125,26 +125,26 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
         whole = bool(pending) and all(n in pending for n in meta)  # from_pretrained's case
         super().__init__(model, config, plan=plan, weights=(lambda n, a, b: torch.zeros(
             b - a)) if whole else None)  # laid out; the values come next
-        self.ds_config = ds
         self.collate_fn = collate_fn
         self.training_dataloader = None
-        if client_lr_scheduler is not None:
-            if "scheduler" in ds:
-                _rank0("the config's `scheduler` block is not used: the client lr_scheduler "
-                       "is, as in DeepSpeed")
-            self.client_lr_scheduler = (client_lr_scheduler(self.param_source)
-                                        if callable(client_lr_scheduler)
-                                        else client_lr_scheduler)
-        else:
-            self.client_lr_scheduler = config_scheduler(self.param_source, config, ds)
+        self.client_lr_scheduler = self._scheduler(client_lr_scheduler, config, ds)
         if pending:
             from zerotrain.deepspeed.pending import hand_out
 
             hand_out(self, pending, whole)
-        pending = {}  # the loaded weights are the shards' now
         self.mark_status()
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         zero.ENGINES.add(self)
+
+    def _scheduler(self, client: Any, config: Config, ds: dict[str, Any]) -> Any:
+        """The client lr_scheduler (object, or callable taking the optimizer), else the
+        config's `scheduler` block, else None."""
+        if client is None:
+            return config_scheduler(self.param_source, config, ds)
+        if "scheduler" in ds:
+            _rank0("the config's `scheduler` block is not used: the client lr_scheduler "
+                   "is, as in DeepSpeed")
+        return client(self.param_source) if callable(client) else client
 
     def write_weights(self, values: dict[str, torch.Tensor]) -> None:
         """Make the master weights every rank keeps equal the parameters as they are now
