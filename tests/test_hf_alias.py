@@ -161,3 +161,33 @@ except RuntimeError as e:
     print(json.dumps({"err": str(e)}))
 """)
     assert "already imported" in r["err"]
+
+
+def test_a_config_zerotrain_cannot_run_ends_in_one_line(tmp_path):
+    """The runner (`zerotrain launch`, `-m zerotrain.hf`) turns a refused DeepSpeed config
+    into one line on stderr, before training, and a non-zero exit."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import deepspeed, torch\n"
+        "net = torch.nn.Linear(2, 2)\n"
+        "deepspeed.initialize(model=net, model_parameters=net.parameters(), config={\n"
+        "    'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'AdamW',\n"
+        "    'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': 2,\n"
+        "    'zenflow': {'topk_ratio': 0.1}}})\n"
+        "print('trained')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-m", "zerotrain.hf", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert p.returncode == 1 and "trained" not in p.stdout
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("zerotrain: error:")]
+    assert len(lines) == 1 and "Traceback" not in p.stderr
+    assert (
+        "zero_optimization.zenflow.topk_ratio=0.1: a DeepSpeed setting zerotrain does not"
+        in (lines[0])
+    )
