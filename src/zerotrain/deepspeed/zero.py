@@ -159,38 +159,47 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _swap(p: Tensor, data: Tensor) -> None:
+def _swap(p: Tensor, data: Tensor) -> Tensor:
     """Give `p` other storage in place, keeping its Python attributes (transformers marks
-    loaded weights with `_is_hf_initialized`) and its class."""
+    loaded weights with `_is_hf_initialized`) and its class; returns the tensor that now
+    holds p's former storage."""
     attrs = dict(p.__dict__)
     new = (torch.nn.Parameter(data, p.requires_grad) if isinstance(p, torch.nn.Parameter)
            else data)
     torch.utils.swap_tensors(p, new)
     p.__dict__.update(attrs)
+    return new
 
 
 @contextmanager
 def _on_host(params: list[Tensor], modifier_rank: int | None) -> Iterator[None]:
     """Meta parameters made real for the block (the values written in an earlier block
     where this rank holds them, else zeros); on exit the modifier rank keeps its values
-    aside, the other ranks only note who holds them: `initialize` hands each rank its
-    shard, so no rank but the loading one holds the whole model (from_pretrained)."""
+    aside (the block's own storage: no copy), the other ranks only note who holds them:
+    `initialize` hands each rank its shard, so no rank but the loading one holds the
+    whole model (from_pretrained)."""
     meta = [p for p in params if p.device.type == "meta"]
     for p in meta:
         held = _PENDING.get(id(p))
-        _swap(p, held[1].clone() if held is not None and held[0] is p
-              and held[1] is not None else torch.zeros(p.shape, dtype=p.dtype))
+        start = held[1] if held is not None and held[0] is p else None
+        if start is None:
+            start = torch.zeros(p.shape, dtype=p.dtype)
+        elif modifier_rank is None:  # a read-only block leaves the held values as they were
+            start = start.clone()
+        _swap(p, start)
+    kept = False
     try:
         yield
         if modifier_rank is not None:
             _broadcast([p for p in params if p.device.type != "meta"
                         and not any(p is m for m in meta)], modifier_rank)
-            mine = _rank() == modifier_rank
-            for p in meta:
-                _PENDING[id(p)] = (p, p.detach().clone() if mine else None, modifier_rank)
+            kept = True
     finally:
+        mine = _rank() == modifier_rank
         for p in meta:
-            _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            old = _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            if kept:
+                _PENDING[id(p)] = (p, old.detach() if mine else None, modifier_rank)
 
 
 @contextmanager
