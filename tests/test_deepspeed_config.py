@@ -267,7 +267,7 @@ def test_unsupported_keys_are_listed_together():
 
 @pytest.mark.parametrize("ds,match", [
     ({"zero_optimization": {"stage": True}}, "zero_optimization.stage=true: must be an integer"),
-    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      "offload_optimizer.device=\"cpu\": zerotrain offloads from ZeRO stage 2"),
     ({"optimizer": {"type": "Lamb"}}, 'optimizer.type="Lamb": zerotrain maps Adam'),
     ({"scheduler": {"type": "OneCycle"}}, 'scheduler.type="OneCycle"'),
