@@ -140,13 +140,14 @@ class _Defaults:
             torch.is_deterministic_algorithms_warn_only_enabled(),
         )
         self.signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-        self.cwd = os.getcwd()
 
-    def restore(self, env: dict, rank: int, world: int, port: int) -> None:
+    def restore(self, caller: dict, rank: int, world: int, port: int) -> None:
+        """The caller's environment, working folder and import path (as a spawn would
+        copy them), the spawned process's torch defaults and RNG."""
         import torch
 
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(caller["env"])
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
@@ -155,7 +156,8 @@ class _Defaults:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-        os.chdir(self.cwd)
+        os.chdir(caller["cwd"])
+        sys.path[:0] = [p for p in caller["path"] if p not in sys.path]
         torch.random.set_rng_state(self.rng)
         torch.set_default_dtype(self.dtype)
         torch.use_deterministic_algorithms(self.det[0], warn_only=self.det[1])
@@ -196,8 +198,8 @@ def _worker(rank: int, world: int, jobs, results, dump: str) -> None:
         faulthandler.register(DUMP, file=f, all_threads=True)
         defaults = _Defaults()
         while (job := jobs.get()) is not None:
-            job_id, port, env, payload = job
-            defaults.restore(env, rank, world, port)
+            job_id, port, caller, payload = job
+            defaults.restore(caller, rank, world, port)
             before, threads = _fingerprint(), threading.active_count()
             ok, out = _call(rank, world, payload)
             if not ok:
@@ -239,7 +241,8 @@ class _Pool:
 
         buf = io.BytesIO()
         torch.save((fn, args), buf)
-        job = (self.jobs_done, free_port(), dict(os.environ), buf.getvalue())
+        caller = {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path)}
+        job = (self.jobs_done, free_port(), caller, buf.getvalue())
         for q in self.jobs:
             q.put(job)
         got, errors, dirty = self._collect(timeout)
