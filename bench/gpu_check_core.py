@@ -51,8 +51,9 @@ NEEDS_TWO = [
      "reduce-scatter / all-gather)"),
     ("H1 ring across ranks", "deadlock freedom of batched isend/irecv between ranks (probes "
      "cover the API at one rank)"),
-    ("N1 end to end", "a 2-rank ZeRO-3 run with --precision.fp8.all_gather true (probes "
-     "cover the mechanism at a 2-rank layout)"),
+    ("N1 end to end", "a 2-rank ZeRO-3 run with --precision.fp8.all_gather true, 32 steps "
+     "bit for bit against plain FP8 (W-1; review3 covers the mechanism at a 2-rank "
+     "layout, probes N1's)"),
     ("N3", "Offload compile vote vs publish order when a rank's first unit is padding"),
     ("S7", "two communicators (grad group) with concurrent kernels, and their overlap"),
     ("Muon on NCCL", "Muon's all_to_all / scatter / all_gather on NCCL"),
