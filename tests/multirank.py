@@ -251,10 +251,10 @@ class _Pool:
             self.close()
             raise AssertionError("\n".join(errors))
         if dirty:  # correct results, but the next call would inherit this state
-            print(
-                f"[multirank] world-{self.world} ranks retired after "
-                f"{getattr(fn, '__qualname__', fn)}: {dirty[0]}",
-                file=sys.stderr,
+            _note(
+                f"world-{self.world} ranks retired after "
+                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}: "
+                f"{dirty[0]}"
             )
             self.close()
         return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(self.world)]
@@ -326,6 +326,7 @@ class _Pool:
         if not self.usable:
             return
         self.usable = False
+        _note(f"world-{self.world} ranks stopped after {self.jobs_done} call(s)", False)
         if _POOLS.get(self.world) is self:
             del _POOLS[self.world]
         for q in self.jobs:
@@ -339,6 +340,15 @@ class _Pool:
         for q in (*self.jobs, self.results):
             q.cancel_join_thread()
             q.close()
+
+
+def _note(text: str, stderr: bool = True) -> None:
+    """To stderr (shown with a failing test) and to $ZEROTRAIN_TEST_POOL_LOG if set."""
+    if stderr:
+        print(f"[multirank] {text}", file=sys.stderr)
+    if os.environ.get("ZEROTRAIN_TEST_POOL_LOG"):
+        with open(os.environ["ZEROTRAIN_TEST_POOL_LOG"], "a") as f:
+            f.write(text + "\n")
 
 
 _POOLS: dict[int, _Pool] = {}  # by world size, least recently used first
