@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MAX_WARM = int(os.environ.get("ZEROTRAIN_TEST_POOL_RANKS", "7"))  # warm ranks, all pools
+MAX_WARM = int(os.environ.get("ZEROTRAIN_TEST_POOL_RANKS", "9"))  # warm ranks, all pools
 DUMP = signal.SIGUSR2  # a worker asked for its stack (faulthandler); zerotrain never uses it
 TESTS = str(Path(__file__).resolve().parent)
 # torch modules tests reach into: a function written in the tests left there is a patch
