@@ -74,18 +74,13 @@ def section_fp8(ctx: Ctx) -> None:
 
 def section_race(ctx: Ctx) -> None:
     """normal and sleep in one process, compared bit for bit (the review's trim: the
-    CUDA_LAUNCH_BLOCKING=1 process, ~20 s, is gone from the one-GPU call; the dry run keeps
-    its path)."""
+    CUDA_LAUNCH_BLOCKING=1 process, ~20 s, is gone from the one-GPU call)."""
     out = ctx.work / "race"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     script = [ctx.py, str(VERIFY / "offload_race.py"), "--out-dir", str(out), *_dry(ctx),
               *(["--steps", "3"] if ctx.dry else [])]
-    if ctx.dry:  # CUDA_LAUNCH_BLOCKING means nothing on the CPU: one process for all three
-        code, text = ctx.run([*script, "--runs", "normal", "sleep", "blocking", "--compare"],
-                             90)
-    else:
-        code, text = ctx.run([*script, "--runs", "normal", "sleep", "--compare"], WHOLE)
+    code, text = ctx.run([*script, "--runs", "normal", "sleep", "--compare"], WHOLE)
     rows = read_json(out / "race.json")
     if not rows:
         failed(ctx, "race", "runs and compare", code, text)
