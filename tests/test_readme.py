@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
+from markdown.extensions.toc import slugify
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -17,8 +17,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 def _slug(heading: str) -> str:
     """The anchor Python-Markdown's toc extension gives a heading (mkdocs' default)."""
-    markdown_toc = pytest.importorskip("markdown.extensions.toc")
-    return markdown_toc.slugify(heading, "-")
+    return slugify(heading, "-")
 
 
 def _anchors(page: Path) -> set[str]:
