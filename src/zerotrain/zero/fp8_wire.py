@@ -76,17 +76,22 @@ class Fp8Wire:
         """This rank's chunk as bytes, with every weight's all-ranks amax."""
         self.send = self.send.to(shard.device)
         lo = self.unit.shard_range[0]
+        scales: dict[str, Tensor] = {}
         for p in self.chunks[self.unit.rank]:
             out = self.send[p.byte:p.byte + self._nbytes(p)]
             src = shard[p.start - lo:p.end - lo]
             if p.fp8:
-                _, self.scales[p.fp8] = quantize_shard(src, amaxes[p.fp8], out=out)
+                _, scales[p.fp8] = quantize_shard(src, amaxes[p.fp8], out=out)
             else:
                 out.copy_(src.contiguous().view(torch.uint8))
-        for c in self.chunks:  # scales of weights this rank holds no piece of
+        # every weight's scale anew, also of weights this rank holds no piece of: their
+        # owners encode with this step's amax, so decoding with an older one would put
+        # this rank's copy off by a power of two (review 3, W-1)
+        for c in self.chunks:
             for p in c:
-                if p.fp8 and p.fp8 not in self.scales:
-                    _, self.scales[p.fp8] = quantize_shard(shard[:0], amaxes[p.fp8])
+                if p.fp8 and p.fp8 not in scales:
+                    _, scales[p.fp8] = quantize_shard(shard[:0], amaxes[p.fp8])
+        self.scales = scales
 
     def start(self, comm: Comm, async_op: bool) -> Handle:
         n = self.unit.world_size
