@@ -60,3 +60,29 @@ def test_fp8_wire_scale_of_a_foreign_weight_follows_its_amax():
         )
         want = scale_from_amax(torch.tensor(amax), FP8_E4M3)
         assert float(u.wire.scales["blk.o.weight"]) == float(want), amax
+
+
+def _tiered(path: str, steps: int) -> list[dict]:
+    def tier(kind: str) -> dict:
+        zero = {"stage": 3, "offload_param": kind, "nvme_path": path, "nvme_block_mb": 0.0625}
+        return {**WIRED, "zero": zero}
+
+    return run_many([WIRED, tier("nvme"), tier("cpu")], steps)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp8_all_gather_with_a_parameter_tier_equals_no_tier(tmp_path, world):
+    """C-2: the shards live in the tier between uses; the wire packs at each gather from
+    the shard made ready, so Engine.__init__ no longer slices a released storage and the
+    run is the no-tier run bit for bit (several steps: the packed bytes follow updates)."""
+    steps = 6
+    if world == 1:
+        res = _tiered(str(tmp_path), steps)
+    else:
+        res = run_ranks(_tiered, world, str(tmp_path), steps)[0]
+    ref, *rest = res
+    for kind, r in zip(("nvme", "cpu"), rest, strict=True):
+        assert r["losses"] == ref["losses"], kind
+        for k, v in ref["params"].items():
+            assert torch.equal(r["params"][k], v), (kind, k)
+    assert ref["losses"][-1] < ref["losses"][0]
