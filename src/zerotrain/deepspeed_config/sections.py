@@ -13,9 +13,16 @@ DS_PREFETCH_BUCKET = 50_000_000     # stage3_prefetch_bucket_size default (eleme
 
 
 def batch(r: Reader, world: int, out: dict[str, Any]) -> bool:
-    """The batch triple: any two give the third. Returns whether the world size mattered."""
+    """The batch triple: any two give the third. Returns whether the world size mattered.
+
+    The global batch is micro × accumulation × the data-parallel size: the ranks of one
+    sequence-parallel group (`sequence.parallel`) share a batch, as DeepSpeed counts them."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu",
              "gradient_accumulation_steps")
+    sp = r.zt("sequence.parallel")
+    if not (isinstance(sp, int) and sp >= 1 and world % sp == 0):
+        sp = 1  # build_config names a bad sequence.parallel
+    world //= sp  # from here: the data-parallel size
     tb, mb, ga = (None if r.is_auto(n) else r.get(n, None, int) for n in names)
     for n, v in zip(names, (tb, mb, ga)):
         if v is not None and v < 1:
@@ -35,19 +42,26 @@ def batch(r: Reader, world: int, out: dict[str, Any]) -> bool:
         known = mb if mb is not None else ga
         if tb % (known * world):
             r.problems.append(f"{names[0]}={tb} is not divisible by "
-                              f"{names[1] if mb is not None else names[2]}={known} × world "
-                              f"size {world}; give all three consistently")
+                              f"{names[1] if mb is not None else names[2]}={known} × "
+                              f"{_ranks(world, sp)}; give all three consistently")
             return True
         mb, ga = (mb, tb // (mb * world)) if mb is not None else (tb // (ga * world), ga)
     elif tb is not None and tb != mb * ga * world:
         r.problems.append(f"inconsistent batch: {names[0]}={tb} but {names[1]}={mb} × "
-                          f"{names[2]}={ga} × world size {world} = {mb * ga * world}")
+                          f"{names[2]}={ga} × {_ranks(world, sp)} = {mb * ga * world}")
         return True
     for n, v in zip(names, (mb * (ga or 1) * world, mb, ga or 1)):
         if r.is_auto(n) and not any(note.startswith(f"{n}: auto") for note in r.notes):
             r.notes.append(f"{n}: auto -> {v} (derived from the other two)")
     out.setdefault("data", {}).update(micro_batch_size=mb, grad_accum_steps=ga or 1)
     return tb is not None
+
+
+def _ranks(dp: int, sp: int) -> str:
+    """How the batch messages name the rank count the triple multiplies by."""
+    if sp > 1:
+        return f"data-parallel size {dp} (world size / sequence.parallel {sp})"
+    return f"world size {dp}"
 
 
 def _dtype_choice(r: Reader, path: str, model: str) -> str:

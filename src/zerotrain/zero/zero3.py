@@ -77,6 +77,7 @@ class ZeRO3(ZeRO2):
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
         self.wire.attach(self.units, self.policy.param_dtype.itemsize)
+        self._wire_in_tier()
         self.after_publish()  # the wire packs the first gathers' bytes
         self.tier_bytes()  # the first writes are the build's, not a step's
 
@@ -95,6 +96,8 @@ class ZeRO3(ZeRO2):
         then start what comes next: the tier's reads `offload_prefetch` units ahead,
         else the next unit's gather."""
         self.param_tier.ready(u)
+        if u.wire is not None:
+            u.wire.ready(u.shard)
         u.unshard(self.comm, async_op=False)
         u.wait_unshard()
         self.param_tier.release(u)
@@ -106,6 +109,18 @@ class ZeRO3(ZeRO2):
             self.param_tier.fetch(ahead)
             ahead = self._neighbour(ahead, forward)
         self.prefetch(nxt)
+
+    def _wire_in_tier(self) -> None:
+        """FP8 gather with shards in a tier: each wire packs at its gather, from amaxes
+        noted while the shard is in memory — here, read once from the tier."""
+        if not self.param_tier.moves:
+            return
+        for u in self.units:
+            if u.wire is not None and u.index in self.param_tier.placed:
+                u.wire.lazy = True
+                self.param_tier.ready(u)
+                u.wire.note(u.shard)
+                self.param_tier.release(u)
 
     def _neighbour(self, u: ShardedUnit, forward: bool) -> ShardedUnit | None:
         """The unit that runs after `u`: recorded from the first forward, else the plan's
@@ -170,6 +185,8 @@ class ZeRO3(ZeRO2):
     def publish(self, u: ShardedUnit) -> None:
         self.param_tier.overwrite(u)
         self.write_master_into(u, u.shard)
+        if u.wire is not None:
+            u.wire.note(u.shard)
         self.param_tier.written(u)
         if u.persistent:
             self.enqueue(self.comm.all_gather(u.params, u.shard, async_op=True))
