@@ -1,0 +1,156 @@
+"""The fourth GPU review (`shared/findings/gpu-review-3.md`): streams, leaks, slow paths
+and hangs (W-2, W-3, C-1, N6', H-2, L-1..L-4, S-1..S-6).
+
+The GPU mechanisms are shown on the CPU by the contract they break: recorded stream
+calls, spies on what torch is handed, counters; each has a `gpu` test beside it that
+runs the real thing where CUDA is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from zerotrain.config import ModelConfig
+from zerotrain.models import checkpointing
+from zerotrain.models.checkpointing import HOST_COPIES, HostStash, apply_checkpointing
+from zerotrain.models.gpt import GPT
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+# ----------------------------------------------------------------------------- W-2
+class _Log:
+    """`HostStash`'s CUDA calls stood in for, logging their order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        log = self.log
+
+        class Stream:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def wait_stream(self, other) -> None:
+                log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, ev) -> None:
+                log.append(("wait_event", self.name))
+
+        class Event:
+            def record(self, stream) -> None:
+                log.append(("record", stream.name))
+
+        self.Stream, self.Event = Stream, Event
+
+    def side(self, device):
+        return self.Stream("side")
+
+    def current(self, device):
+        return self.Stream("current")
+
+    def on(self, stream):
+        self.log.append(("on", stream.name))
+        return contextlib.nullcontext()
+
+    def event(self):
+        return self.Event()
+
+    def host_like(self, x):
+        return HOST_COPIES.host_like(x)
+
+    def device_like(self, t, device):
+        self.log.append(("device_like",))
+        return HOST_COPIES.device_like(t, device)
+
+    def keep(self, t, stream) -> None:
+        self.log.append(("keep", stream.name))
+
+
+def test_stash_fetch_orders_its_write_after_the_compute_stream():
+    """W-2: the block `fetch` allocates belongs to the compute stream's pool and may have
+    been freed (in host order) while a reader is still queued there; the side stream
+    must wait for the compute stream before its copy writes the block."""
+    rt = _Log()
+    x = torch.randn(4, 8)
+    stash = HostStash(x, rt)
+    HostStash._last = None
+    assert stash.get() is x  # forward
+    rt.log.clear()
+    back = stash.get()  # the recompute: fetch, then the current stream waits
+    assert torch.equal(back, x)
+    at = rt.log.index(("device_like",))
+    copy_at = rt.log.index(("on", "side"), at)
+    assert ("wait_stream", "side", "current") in rt.log[at + 1 : copy_at], rt.log
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_stash_fetch_does_not_overwrite_a_pending_reader_gpu():
+    """The allocator race itself: a tensor freed while its reader is queued behind a
+    sleep, its block handed to `fetch`; the reader must still see its own bytes."""
+    n = 1 << 22
+    stash = HostStash(torch.full((n,), 7.0, device="cuda"), checkpointing.CUDA_COPIES)
+    HostStash._last = None
+    stash.get()
+    torch.cuda.synchronize()
+    a = torch.ones(n, device="cuda")
+    torch.cuda._sleep(100_000_000)
+    b = a * 2  # queued behind the sleep
+    del a  # its block goes back to the compute stream's pool at once
+    back = stash.get()
+    torch.cuda.synchronize()
+    assert bool((back == 7).all())
+    assert bool((b == 2).all())
+
+
+# ----------------------------------------------------------------------------- W-3
+def _tiny_gpt(dropout: float) -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=dropout))
+
+
+def test_checkpoint_names_the_blocks_device_for_rng_replay(monkeypatch):
+    """W-3: torch's checkpoint saves the RNG state of the devices of its positional
+    tensors only; the offload path passes `None` for the hidden state, so on CUDA it
+    saved none and dropout drew other masks in the recompute. Every checkpointed call
+    must hand torch a positional tensor on the hidden state's device."""
+    seen: list[set] = []
+    real = checkpointing.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        seen.append({a.device for a in args if isinstance(a, torch.Tensor)})
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "checkpoint", spy)
+    for mode in ("offload", True):
+        seen.clear()
+        model = _tiny_gpt(0.1)
+        apply_checkpointing(model.blocks, mode, force_stash=True)
+        HostStash._last = None
+        x = torch.randint(0, 256, (2, 16))
+        model(x, x).backward()
+        assert len(seen) == 2 and all(torch.device("cpu") in s for s in seen), (mode, seen)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["offload", True])
+def test_checkpointed_dropout_gradients_equal_plain_gpu(mode):
+    """W-3 on CUDA: with dropout, checkpointed (and offloaded) blocks give the plain
+    model's gradients (the recompute replays forward's masks)."""
+    grads = []
+    for m in (False, mode):
+        model = _tiny_gpt(0.2).cuda().train()
+        apply_checkpointing(model.blocks, m)
+        HostStash._last = None
+        torch.manual_seed(1)
+        torch.cuda.manual_seed(1)
+        x = torch.randint(0, 256, (2, 16), device="cuda")
+        model(x, x).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6)
