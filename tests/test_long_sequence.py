@@ -26,24 +26,16 @@ TILE = 5  # does not divide the 16-token sequences: a short last tile
 
 
 def hf_llama() -> transformers.LlamaForCausalLM:
-    conf = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
+    conf = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=40,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, max_position_embeddings=16)
     return transformers.LlamaForCausalLM(conf)
 
 
 FAMILIES = {
     "gpt": (lambda: GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)), 128),
-    "llama": (
-        lambda: Llama(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=16)),
-        128,
-    ),
+    "llama": (lambda: Llama(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32,
+                                        block_size=16)), 128),
     "hf": (hf_llama, 40),
 }
 
@@ -71,12 +63,8 @@ class _Widest(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if (
-                isinstance(t, torch.Tensor)
-                and t.ndim >= 2
-                and t.shape[-1] == self.width
-                and tuple(t.shape) not in self.skip
-            ):
+            if isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[-1] == self.width \
+                    and tuple(t.shape) not in self.skip:
                 self.rows = max(self.rows, t.numel() // self.width)
         return out
 
@@ -115,7 +103,8 @@ def test_tiles_bound_the_widest_tensors(family):
     for tile, most in ((None, 48), (TILE, TILE)):
         model = make().train()
         apply_tiling(model, plan_for(model).blocks, tile)
-        shapes = {s for p in model.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+        shapes = {s for p in model.parameters()
+                  for s in (tuple(p.shape), tuple(p.shape)[::-1])}
         for width in (256, inter):
             with _Widest(width, shapes) as w:
                 _loss(model, x, y).backward()
@@ -141,12 +130,8 @@ def test_bad_settings_are_one_config_error():
         build_config({"sequence": {"tile_tokens": 0}})
     with pytest.raises(ConfigError, match=r"model\.activation_checkpointing"):
         build_config({"model": {"activation_checkpointing": "sometimes"}})
-    assert (
-        build_config(
-            {"model": {"activation_checkpointing": "offload"}}
-        ).model.activation_checkpointing
-        == "offload"
-    )
+    assert build_config({"model": {"activation_checkpointing": "offload"}}).model \
+        .activation_checkpointing == "offload"
     # a model with no output head to tile
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ConfigError, match=r"sequence\.tile_tokens"):
@@ -160,15 +145,12 @@ def test_bad_settings_are_one_config_error():
 
 # ----------------------------------------------------------------------------- engine
 
-
 def _cases(family: str) -> list[dict]:
     """Plain, tiled + checkpointed, tiled + offloaded (forced stash on CPU); tiled alone
     is the unit test's (test_tiled_and_checkpointed_equal_plain)."""
     arch = {"model": {"arch": "llama"}} if family == "llama" else {}
-    ck = {
-        "model": {**arch.get("model", {}), "activation_checkpointing": True},
-        "sequence": {"tile_tokens": TILE},
-    }
+    ck = {"model": {**arch.get("model", {}), "activation_checkpointing": True},
+          "sequence": {"tile_tokens": TILE}}
     return [arch, ck, {**ck, "force_stash": True}]
 
 
@@ -186,7 +168,8 @@ def _train(stage: int, families: list[str], steps: int = 3, short: bool = False)
                 if force:  # the offload path's stash on CPU (CUDA streams aside)
                     apply_checkpointing(eng.plan.blocks, "offload", force_stash=True)
 
-            res = train_tiny(case, steps, model_fn=hf_llama if f == "hf" else None, probe=probe)
+            res = train_tiny(case, steps, model_fn=hf_llama if f == "hf" else None,
+                             probe=probe)
             runs.append({k: res[k] for k in ("losses", "norms", "params")})
         out[f] = runs
     return out
@@ -221,9 +204,8 @@ def test_library_mode_checkpoints_any_module():
 
     conf = transformers.GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(conf)
-    eng = zerotrain.initialize(
-        model, {"model": {"activation_checkpointing": "offload"}, "train": {"device": "cpu"}}
-    )
+    eng = zerotrain.initialize(model, {"model": {"activation_checkpointing": "offload"},
+                                       "train": {"device": "cpu"}})
     assert all(checkpoint_mode(b) for b in eng.plan.blocks) and len(eng.plan.blocks) == 2
     x = torch.randint(0, 64, (2, 8))
     eng.backward(eng(input_ids=x, labels=x).loss)
@@ -241,10 +223,8 @@ def measured_peak(step) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
     live = top = 0
     for e in events:
         live += e.nbytes()
@@ -254,16 +234,9 @@ def measured_peak(step) -> int:
 
 V_EST = 1024
 SEQS = (512, 1024, 2048)
-HF_EST = {
-    "model_type": "llama",
-    "vocab_size": V_EST,
-    "hidden_size": 64,
-    "intermediate_size": 192,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 2048,
-}
+HF_EST = {"model_type": "llama", "vocab_size": V_EST, "hidden_size": 64,
+          "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "max_position_embeddings": 2048}
 
 
 @pytest.fixture
@@ -285,15 +258,9 @@ def test_activation_prediction_matches_measured_peaks(family, ckpt, tile, one_th
     from zerotrain.memory import activation_parts
 
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        arch="gpt" if family == "gpt" else "llama",
-        n_layer=2,
-        n_head=4,
-        n_embd=64,
-        block_size=2048,
-        vocab_size=V_EST,
-        activation_checkpointing=ckpt,
-    )
+    cfg = ModelConfig(arch="gpt" if family == "gpt" else "llama", n_layer=2, n_head=4,
+                      n_embd=64, block_size=2048, vocab_size=V_EST,
+                      activation_checkpointing=ckpt)
     if family == "hf":
         conf = {k: v for k, v in HF_EST.items() if k != "model_type"}
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**conf))
@@ -306,15 +273,8 @@ def test_activation_prediction_matches_measured_peaks(family, ckpt, tile, one_th
         x, y = torch.randint(0, V_EST, (2, 1, seq))
         _loss(model, x, y).backward()
         got = measured_peak(lambda x=x, y=y: _loss(model, x, y).backward())
-        pred = activation_parts(
-            cfg,
-            1,
-            seq,
-            act_bytes=4,
-            tile_tokens=tile,
-            device="cpu",
-            hf_config=HF_EST if family == "hf" else None,
-        ).peak
+        pred = activation_parts(cfg, 1, seq, act_bytes=4, tile_tokens=tile, device="cpu",
+                                hf_config=HF_EST if family == "hf" else None).peak
         assert pred == pytest.approx(got, rel=0.10), (seq, got, pred)
 
 
@@ -328,34 +288,15 @@ def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
     from zerotrain.memory import config_activations, estimate
 
     path = tmp_path / "run.yaml"
-    path.write_text(
-        "model: {arch: llama, n_layer: 8, n_head: 2, n_embd: 128, "
-        "vocab_size: 32000, block_size: 4096}\n"
-        "data: {micro_batch_size: 1}\nprecision: {dtype: fp32}\n"
-    )
+    path.write_text("model: {arch: llama, n_layer: 8, n_head: 2, n_embd: 128, "
+                    "vocab_size: 32000, block_size: 4096}\n"
+                    "data: {micro_batch_size: 1}\nprecision: {dtype: fp32}\n")
     cfg = load_config(str(path))
 
     def longest(*flags: str) -> dict:
-        assert (
-            main_estimate(
-                [
-                    "--model",
-                    str(path),
-                    "--gpus",
-                    "2",
-                    "--stage",
-                    "3",
-                    "--gpu-mem",
-                    "1GiB",
-                    "--device",
-                    "cuda",
-                    "--max-seq",
-                    "--json",
-                    *flags,
-                ]
-            )
-            == 0
-        )
+        assert main_estimate(["--model", str(path), "--gpus", "2", "--stage", "3",
+                              "--gpu-mem", "1GiB", "--device", "cuda", "--max-seq",
+                              "--json", *flags]) == 0
         return json.loads(capsys.readouterr().out)
 
     rep = longest()
@@ -364,9 +305,8 @@ def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
     fixed = row["device_total"] - row["activations"]  # model states + gathered unit
     assert fixed + config_activations(cfg, 1, n, device="cuda").peak <= 2**30
     assert fixed + config_activations(cfg, 1, n + 1, device="cuda").peak > 2**30
-    states = estimate(
-        rep["psi"], 2, 3, precision="fp32", largest_unit=rep["largest_unit"]
-    ).device_total
+    states = estimate(rep["psi"], 2, 3, precision="fp32",
+                      largest_unit=rep["largest_unit"]).device_total
     assert fixed == states
     tiled = longest("--tile-tokens", "512")["rows"][0]["max_seq"]
     both = longest("--tile-tokens", "512", "--activation-checkpointing")["rows"][0]["max_seq"]
@@ -469,13 +409,10 @@ def test_offload_orders_its_copies(monkeypatch):
     log = rec.log[n_fwd:]
     # forward, per block: side waits for current, the copy on side, x kept, event recorded
     fwd = [e for e in log if e[0] in ("wait_stream", "host_like", "on", "keep")][:12]
-    assert (
-        fwd
-        == [("wait_stream", "side", "current"), ("host_like",), ("on", "side"), ("keep", "side")]
-        * 3
-    )
+    assert fwd == [("wait_stream", "side", "current"), ("host_like",), ("on", "side"),
+                   ("keep", "side")] * 3
     d2h = [e[2] for e in log if e[0] == "record"][:3]  # each block's copy-to-host event
-    rest = log[log.index(("record", "side", d2h[-1])) + 1 :]
+    rest = log[log.index(("record", "side", d2h[-1])) + 1:]
     # backward: block 2 fetched on demand, then 1 and 0 prefetched by their successor
     waits_side = [e[2] for e in rest if e[:2] == ("wait_event", "side")]
     assert waits_side == d2h[::-1]  # each copy back waits for its own copy to the host
@@ -487,12 +424,8 @@ def test_offload_orders_its_copies(monkeypatch):
     # the side stream first waits for the compute stream, whose pool gave the block
     for i in range(2):
         at = rest.index(("wait_event", "current", consumed[i]))
-        assert rest[at + 1 : at + 5] == [
-            ("device_like",),
-            ("wait_stream", "side", "current"),
-            ("on", "side"),
-            ("wait_event", "side", d2h[1 - i]),
-        ]
+        assert rest[at + 1:at + 5] == [("device_like",), ("wait_stream", "side", "current"),
+                                       ("on", "side"), ("wait_event", "side", d2h[1 - i])]
 
 
 def test_train_run_with_tiles_and_checkpointing_equals_plain(tmp_path):
@@ -505,17 +438,14 @@ def test_train_run_with_tiles_and_checkpointing_equals_plain(tmp_path):
     from zero_harness import run_config, train_losses
 
     plain = run_config(tmp_path, "plain", 3, model={"arch": "llama"})
-    long = run_config(
-        tmp_path,
-        "long",
-        3,
-        model={"arch": "llama", "activation_checkpointing": True},
-        sequence={"tile_tokens": 24},
-    )
+    long = run_config(tmp_path, "long", 3, model={"arch": "llama",
+                                                 "activation_checkpointing": True},
+                      sequence={"tile_tokens": 24})
     train(plain)
     train(long)
     a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "long")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
-    recs = [json.loads(x) for x in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (tmp_path / "long" / "metrics.jsonl").read_text()
+            .splitlines()]
     assert any(r["type"] == "memory_phases" and r["activations_modelled"] for r in recs)

@@ -168,9 +168,8 @@ def _hidden_arg(args: tuple, kwargs: dict) -> tuple[str | int, Tensor] | None:
     return None
 
 
-def _checkpoint(
-    fn: Callable[..., Any], device: torch.device | None, args: tuple, kwargs: dict
-) -> Any:
+def _checkpoint(fn: Callable[..., Any], device: torch.device | None, args: tuple,
+                kwargs: dict) -> Any:
     """`torch.utils.checkpoint` with the block's device named: torch saves (and replays in
     the recompute) the RNG state only of the devices its positional tensors are on, and
     the hidden state may be a keyword or, offloaded, absent. Without it dropout would
@@ -186,9 +185,8 @@ def _without_anchor(anchor: Tensor, fn: Callable[..., Any], *args: Any, **kwargs
     return fn(*args, **kwargs)
 
 
-def checkpointed_forward(
-    block: nn.Module, original: Callable[..., Any], offload: bool, force_stash: bool = False
-) -> Callable[..., Any]:
+def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload: bool,
+                         force_stash: bool = False) -> Callable[..., Any]:
     """`block`'s forward under checkpointing (training with gradients only; evaluation
     and generation run the original). `force_stash`: use `HostStash` off CUDA too
     (tests of the bookkeeping)."""
@@ -228,7 +226,8 @@ def checkpointed_forward(
     return forward
 
 
-def apply_checkpointing(blocks: Iterable[nn.Module], mode: Mode, force_stash: bool = False) -> int:
+def apply_checkpointing(blocks: Iterable[nn.Module], mode: Mode,
+                        force_stash: bool = False) -> int:
     """Checkpoint each block (`True`), also offloading its input (`"offload"`), or undo
     (`False`). Idempotent: a block already wrapped is re-wrapped from its original
     forward. Returns how many blocks are checkpointed."""
