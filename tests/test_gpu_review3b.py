@@ -154,3 +154,55 @@ def test_checkpointed_dropout_gradients_equal_plain_gpu(mode):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- N6'
+def _slow_io_run(tmp: str, port: int) -> dict:
+    """`zerotrain train`'s setup and one checkpoint on a group whose collectives time out
+    after 2 s, while rank 0's clearing of the old run and rank 1's shard write each take
+    4 s (a slow shared filesystem, lazy NVMe-tier states)."""
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from zerotrain.checkpoint import io
+    from zerotrain.comm import dist as zdist
+    from zerotrain.run import setup as run_setup
+
+    from zero_harness import run_config
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    zdist.init_distributed("cpu", "gloo", timeout_s=2)
+    rank = dist.get_rank()
+    real_clear, real_write = run_setup.clear_run, io._write_rank
+
+    def slow_clear(cfg):
+        time.sleep(4)
+        return real_clear(cfg)
+
+    def slow_write(tmp_dir, r, *a, **k):
+        if r == 1:
+            time.sleep(4)
+        return real_write(tmp_dir, r, *a, **k)
+
+    run_setup.clear_run, io._write_rank = slow_clear, slow_write
+    run = run_setup.setup(run_config(Path(tmp), "run", 2, layers=1), None)
+    path = run.save()
+    x = torch.ones(1)
+    dist.all_reduce(x)  # the group is healthy after the long solo waits
+    run.report.close()
+    return {"path": str(path), "sum": float(x), "rank": rank}
+
+
+def test_io_barriers_outlast_the_collective_timeout(tmp_path):
+    """N6': the barriers around rank 0's clearing of an old run (setup) and around every
+    rank's checkpoint write were collectives bounded by comm.timeout_s — on NCCL the
+    watchdog aborts. They wait on the store now: 4 s of I/O under a 2 s timeout."""
+    from multirank import free_port, run_ranks
+
+    r0, r1 = run_ranks(_slow_io_run, 2, str(tmp_path), free_port(), timeout=120)
+    assert r0["sum"] == r1["sum"] == 2.0
+    assert r0["path"] == r1["path"] and "step_" in r0["path"]
