@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 import torch
+from torch import nn
 
 from zerotrain.config import ModelConfig
 from zerotrain.models import checkpointing
@@ -206,3 +207,44 @@ def test_io_barriers_outlast_the_collective_timeout(tmp_path):
     r0, r1 = run_ranks(_slow_io_run, 2, str(tmp_path), free_port(), timeout=120)
     assert r0["sum"] == r1["sum"] == 2.0
     assert r0["path"] == r1["path"] and "step_" in r0["path"]
+
+
+# ----------------------------------------------------------------------------- C-1
+def _gathered_before_initialize_nccl_like() -> list:
+    """zero.Init + GatheredParameters(modifier_rank=0) before initialize, where the group
+    takes device tensors only (NCCL's contract, `simdevice.py`'s stand-in device)."""
+    import torch.distributed as dist
+
+    import zerotrain.deepspeed as deepspeed
+    from simdevice import SIM, SimDevice, SimTensor
+    from zerotrain.deepspeed import zero
+
+    real, devices = dist.broadcast, []
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        devices.append(tensor.device.type)
+        if not isinstance(tensor, SimTensor):
+            raise RuntimeError("No backend type associated with device type cpu")
+        return real(tensor.inner, src=src, group=group, async_op=async_op)
+
+    dist.broadcast = broadcast
+    zero.comm_device = lambda group=None: SIM
+    rank = dist.get_rank()
+    with deepspeed.zero.Init():
+        net = nn.Linear(4, 3)
+    with SimDevice(), torch.no_grad(), \
+            deepspeed.zero.GatheredParameters(list(net.parameters()), modifier_rank=0):
+        net.weight.fill_(1.0 if rank == 0 else 5.0)
+        net.bias.fill_(2.0 if rank == 0 else 6.0)
+    pending = zero.take_pending(net)
+    return [devices, {k: v.tolist() for k, v in pending.items()}]
+
+
+def test_gathered_parameters_before_initialize_broadcast_on_the_groups_device():
+    """C-1: before initialize the parameters are host tensors; the broadcast to the other
+    ranks must go through the device the group's backend takes (NCCL: the GPU)."""
+    from multirank import run_ranks
+
+    for devices, pending in run_ranks(_gathered_before_initialize_nccl_like, 2):
+        assert devices == ["meta", "meta"]
+        assert pending == {"weight": [[1.0] * 4] * 3, "bias": [2.0] * 3}
