@@ -248,3 +248,44 @@ def test_gathered_parameters_before_initialize_broadcast_on_the_groups_device():
     for devices, pending in run_ranks(_gathered_before_initialize_nccl_like, 2):
         assert devices == ["meta", "meta"]
         assert pending == {"weight": [[1.0] * 4] * 3, "bias": [2.0] * 3}
+
+
+# ----------------------------------------------------------------------------- S-4
+class _HostComm:
+    """A one-rank stand-in for Comm's control reduction: fp64 back on the CPU, as the
+    real one returns it."""
+
+    device = torch.device("cpu")
+
+    def all_reduce_scalars(self, t, op="sum"):
+        return t.detach().to("cpu", torch.float64)
+
+
+def test_fp8_refresh_hands_each_piece_a_device_amax(monkeypatch):
+    """S-4: the all-reduced amaxes come back on the CPU; each FP8 piece's scale then
+    copied its own 0-d amax to the device (pageable: one stream sync per piece per
+    step). They go back to the shards' device once, before the pieces are packed."""
+    from simdevice import SimDevice
+    from zerotrain.zero import fp8_wire
+    from zerotrain.zero.flat import FlatUnit
+    from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.partition import Partition
+
+    seen, real = [], fp8_wire.quantize_shard
+
+    def spy(shard, amax, *a, **k):
+        seen.append(amax.device.type)
+        return real(shard, amax, *a, **k)
+
+    monkeypatch.setattr(fp8_wire, "quantize_shard", spy)
+    g = torch.Generator().manual_seed(0)
+    a, b = (nn.Parameter(torch.randn(64, 64, generator=g)) for _ in range(2))
+    u = FlatUnit.build(0, "blk", [("blk.q.weight", a, 0), ("blk.o.weight", b, 0)],
+                       Partition(2, 0), align=8)
+    u.wire = Fp8Wire(u, {"blk.q.weight", "blk.o.weight"}, 2)
+    full = torch.cat([a.detach().flatten(), b.detach().flatten()]).bfloat16()
+    lo, hi = u.shard_range
+    with SimDevice():
+        u.shard = full[lo:hi].clone().to("meta")
+        refresh_all([u], _HostComm())
+    assert seen and set(seen) == {"meta"}, seen
