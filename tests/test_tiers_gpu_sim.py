@@ -180,9 +180,10 @@ def test_host_tier_moves_a_device_tensor_on_a_side_stream_fenced_by_events(monke
 
 def test_a_placed_device_tensor_round_trips_and_a_rewrite_waits_for_the_store(monkeypatch):
     """(c) Placed on the device through the host tier: evict → settle releases the device
-    memory only after the store's event was synchronized; ready() refills it bit-exactly
-    after the load's event fenced the compute stream; a rewrite (claim) while a store is
-    in flight waits that store's event before the tensor is handed out for writing."""
+    memory after the compute stream waited the store's event (no host wait: S-3);
+    ready() refills it bit-exactly after the load's event fenced the compute stream; a
+    rewrite (claim) while a store is in flight waits that store's event before the tensor
+    is handed out for writing."""
     rt = _Runtime()
     rt.install(monkeypatch)
     with SimDevice(), _Copies(rt):
@@ -193,7 +194,7 @@ def test_a_placed_device_tensor_round_trips_and_a_rewrite_waits_for_the_store(mo
         p.settle()
         log = _after(rt.log, 0)
         assert log == [("wait_stream", "side", "compute"), ("copy", "side", "cpu<-meta"),
-                       ("record", "side", 0), ("sync_event", 0), ("wait_event", "compute", 0)]
+                       ("record", "side", 0), ("wait_event", "compute", 0)]
         assert not p.resident
         _poison(t)
         assert p.ready() is t and p.resident and not p.dirty
@@ -218,7 +219,7 @@ def test_a_placed_device_tensor_round_trips_and_a_rewrite_waits_for_the_store(mo
         p.evict()
         p.settle()
         assert [x[0] for x in _after(rt.log, 0)] == [
-            "wait_stream", "copy", "record", "sync_event", "wait_event"]
+            "wait_stream", "copy", "record", "wait_event"]
         _poison(t)
         p.ready()
         assert torch.equal(t.cpu().view(torch.int16), ref3.view(torch.int16))
@@ -311,8 +312,9 @@ def test_param_tier_on_a_device_reads_fenced_and_writes_behind(monkeypatch):
             stores.append(rt.log[2][2])  # the store's event
             assert rt.log[:3] == [("wait_stream", "side", "compute"),
                                   ("copy", "side", "cpu<-meta"), ("record", "side", stores[-1])]
-        # unit 0's store was synchronized, then its memory released, when unit 1's began
-        assert rt.log[3:] == [("sync_event", stores[0]), ("wait_event", "compute", stores[0])]
+        # unit 0's store was fenced (the compute stream, not the host, waits: S-3), then
+        # its memory released, when unit 1's began
+        assert rt.log[3:] == [("wait_event", "compute", stores[0])]
         assert not units[0].shard.untyped_storage().nbytes() and pt.writing == [pt.placed[1]]
         assert units[1].shard.untyped_storage().nbytes()  # the newest is still in flight
         pt.settle_all()

@@ -195,10 +195,10 @@ class TrainConfig(_Section):
         "auto", description="host (glibc) tensors of at least this many MiB (at most 32) get "
         "their own memory map, returned to the OS when freed; glibc's default lets its "
         "heap keep freed blocks below a threshold that rises to 32 MiB, which a long "
-        "sequence's step fragments (memory/host.py). auto: 1 with sequence.tile_tokens or "
-        "sequence.parallel > 1, else glibc's default (fresh maps cost page faults: the main "
-        "job ran 35% slower with 1); null: glibc's default (so does a "
-        "MALLOC_MMAP_THRESHOLD_ in the environment)")
+        "sequence's step fragments (memory/host.py). auto: 4 with sequence.tile_tokens or "
+        "sequence.parallel > 1 (above the CPU optimizer's 1 MiB blocks), else glibc's "
+        "default (fresh maps cost page faults: the main job ran 35% slower with 1); "
+        "null: glibc's default (so does a MALLOC_MMAP_THRESHOLD_ in the environment)")
     max_skipped_steps: int = Field(
         50, ge=1, description="abort after this many consecutive skipped (non-finite) steps; "
         "fp16's loss-scale search never needs as many")

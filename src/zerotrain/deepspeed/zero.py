@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zerotrain.comm.dist import comm_device
+
 
 @contextmanager
 def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
@@ -48,6 +50,11 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
     if not enabled:
         yield
         return
+    # as DeepSpeed's does: a script that relies on it has a group for GatheredParameters'
+    # broadcast (without one every rank would keep its own values, silently)
+    from zerotrain.deepspeed.comm import init_distributed
+
+    init_distributed()
     with torch.device("meta"):
         yield
 
@@ -73,10 +80,20 @@ def _owner(params: list[Tensor]) -> Any:
 
 
 def _broadcast(params: list[Tensor], src: int) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for p in params:
+    """`src`'s values on every rank, through the device the group's backend takes: NCCL
+    has no CPU backend, and the parameters of a model built under `Init` are host
+    tensors before `initialize` ("No backend type associated with device type cpu")."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    dev = comm_device()
+    with torch.no_grad():
+        for p in params:
+            if p.device == dev:
                 dist.broadcast(p.data, src=src)
+                continue
+            t = p.data.to(dev)
+            dist.broadcast(t, src=src)
+            p.data.copy_(t)
 
 
 #: id(parameter) -> (parameter, values written before initialize); initialize takes them

@@ -20,8 +20,13 @@ trimmed more often, so a run of many short-lived tensors of a few MiB pays it ea
 step — the main job (`make train`: 4 × 192 GPT, 16 × 256 tokens per rank) ran at 6.6–7.2k
 tokens/s with 1 MiB against 10.3–10.4k with glibc's default. A long-sequence step spends
 its time in a few large kernels instead (SP = 2 at 16,384 tokens: step times within the
-machine's noise). Hence `train.host_mmap_mb: auto` (`mmap_threshold`): 1 MiB when the run
+machine's noise). Hence `train.host_mmap_mb: auto` (`mmap_threshold`): 4 MiB when the run
 is a long-sequence one — tiles or sequence parallelism — and glibc's default otherwise.
+Not 1 MiB: ZeRO-Offload's CPU AdamW works in blocks whose fp32 temporaries are exactly
+1 MiB (optim/batching.py), and at a 1 MiB threshold each became a fresh map — 16,448
+page faults and 2.2-2.9x the time per optimizer step for 16 M parameters (gpu-review-3
+S-1, bench/host_mmap_step.py); at 4 MiB they come from the heap, and the tensors of
+16 MiB and more that fragmented the heap are still mapped.
 
 `return_freed_blocks(mib)` fixes the threshold (glibc's `mallopt(M_MMAP_THRESHOLD)`,
 which also stops it from rising) and the heap's trim threshold: blocks of `mib` MiB and
@@ -56,12 +61,12 @@ def _libc() -> ctypes.CDLL | None:
         else None
 
 
-#: what `auto` sets for a long-sequence run
-LONG_SEQUENCE_MMAP_MIB = 1.0
+#: what `auto` sets for a long-sequence run: above the CPU optimizer's 1 MiB blocks
+LONG_SEQUENCE_MMAP_MIB = 4.0
 
 
 def mmap_threshold(setting: float | str | None, sequence: SequenceConfig) -> float | None:
-    """`train.host_mmap_mb` resolved: `auto` is 1 MiB for a long-sequence run (tiles or
+    """`train.host_mmap_mb` resolved: `auto` is 4 MiB for a long-sequence run (tiles or
     sequence parallelism), else None (glibc's default); a number is itself."""
     if setting != "auto":
         return setting if setting is None else float(setting)

@@ -126,6 +126,9 @@ class HostStash:
             return
         assert self.host is not None
         self.dev = self.rt.device_like(self.host, self.device)
+        # the block came from the compute stream's pool, freed in host order: its last
+        # reader may still be queued there, so the side stream's write waits for it
+        self.stream.wait_stream(self.rt.current(self.device))
         with self.rt.on(self.stream):
             self.stream.wait_event(self.ready)  # the copy to the host is complete
             self.dev.copy_(self.host, non_blocking=True)
@@ -165,6 +168,23 @@ def _hidden_arg(args: tuple, kwargs: dict) -> tuple[str | int, Tensor] | None:
     return None
 
 
+def _checkpoint(fn: Callable[..., Any], device: torch.device | None, args: tuple,
+                kwargs: dict) -> Any:
+    """`torch.utils.checkpoint` with the block's device named: torch saves (and replays in
+    the recompute) the RNG state only of the devices its positional tensors are on, and
+    the hidden state may be a keyword or, offloaded, absent. Without it dropout would
+    draw other masks in the recompute than in forward on CUDA (the CPU RNG is always
+    saved). A 0-element tensor on that device, first, carries the device."""
+    if device is None:
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    anchor = torch.empty(0, device=device)
+    return checkpoint(_without_anchor, anchor, fn, *args, use_reentrant=False, **kwargs)
+
+
+def _without_anchor(anchor: Tensor, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
 def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload: bool,
                          force_stash: bool = False) -> Callable[..., Any]:
     """`block`'s forward under checkpointing (training with gradients only; evaluation
@@ -182,9 +202,9 @@ def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload
                 kwargs = {**kwargs, k: None}
         if kwargs.get("use_cache"):
             kwargs = {**kwargs, "use_cache": False}
-        where = _hidden_arg(args, kwargs) if offload else None
-        if where is None or not (where[1].is_cuda or force_stash):
-            return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        where = _hidden_arg(args, kwargs)
+        if not offload or where is None or not (where[1].is_cuda or force_stash):
+            return _checkpoint(original, where[1].device if where else None, args, kwargs)
         key, x = where
         # the checkpoint keeps the stash, not the device tensor
         stash = HostStash(x, CUDA_COPIES if x.is_cuda else HOST_COPIES)
@@ -200,7 +220,7 @@ def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload
             args = (None, *args[1:])
         else:
             kwargs = {**kwargs, key: None}
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return _checkpoint(run, x.device, args, kwargs)
 
     setattr(forward, _WRAPPED, original)
     return forward

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zerotrain.comm.dist import barrier, shutdown
+from zerotrain.comm.dist import patient_barrier, shutdown
 from zerotrain.config import Config
 from zerotrain.data.sampler import to_device
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte
@@ -228,6 +228,6 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     fit = diagnose(report.log.records)  # the train–validation gap, its trend, a verdict
     summary.update(fit.record())
     report.finish(summary, fit, sample)
-    barrier()
+    patient_barrier()  # rank 0 wrote the summary, plots and sample alone
     eng.close()
     return summary

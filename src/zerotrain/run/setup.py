@@ -23,7 +23,6 @@ from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.io import complete_checkpoints
 from zerotrain.comm.dist import (
     DistInfo,
-    barrier,
     init_distributed,
     patient_barrier,
     pick_device,
@@ -288,10 +287,10 @@ def setup(cfg: Config, resume: str | None) -> Run:
     engine.run_id = new_run_id()
     run_dir = Path(cfg.logging.run_dir)
     lines = _resume(engine, src, cfg) if src is not None else []
-    barrier()  # every rank has checked the folder before rank 0 may clear it
+    patient_barrier()  # every rank has checked the folder before rank 0 may clear it
     if src is None and info.rank == 0:
         clear_run(cfg)  # what an earlier, unresumable attempt or --logging.overwrite left
-    barrier()
+    patient_barrier()  # rank 0's rmtree of old checkpoints may outlast comm.timeout_s
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
     if src is None and resume == "auto":  # say so: the user may have expected a resume

@@ -345,11 +345,12 @@ class Placed:
         self.dirty = False
 
     def settle(self) -> None:
-        """Wait for an eviction's write and release the storage."""
+        """Wait for an eviction's write and release the storage. A copy on a side stream
+        is waited by the compute stream only: the storage goes back to that stream's
+        pool, so its next use there is ordered after the copy, and the host runs on
+        (a host wait here put host and GPU in lockstep through the publish loop)."""
         if self.storing is not None:
             h, self.storing, self._staged = self.storing, None, None
-            if isinstance(h, EventHandle):
-                h.synchronize()
             h.wait()
             self._release()
 
