@@ -5,6 +5,7 @@ tensors in client_state kept, and no silent change of what a run trains on."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -124,3 +125,166 @@ def test_convert_refuses_a_rank_file_of_another_model_or_an_extra_rank(tmp_path,
         capsys, "convert", "--from-deepspeed", str(mixed3), "--out", str(tmp_path / "d")
     )
     assert code == 2 and "come from different runs" in one_error(err, "convert")
+
+
+# ------------------------------------------------------------------ BROKEN 2 / 3, MISLEADING 8
+TIERED = [
+    "--model.n_layer",
+    "1",
+    "--model.n_embd",
+    "32",
+    "--model.n_head",
+    "2",
+    "--model.block_size",
+    "16",
+    "--data.micro_batch_size",
+    "2",
+    "--train.steps",
+    "1",
+    "--schedule.warmup_steps",
+    "0",
+    "--logging.progress",
+    "false",
+    "--logging.sample_tokens",
+    "0",
+    "--logging.plot",
+    "false",
+    "--zero.stage",
+    "3",
+    "--zero.offload_param",
+    "nvme",
+    "--zero.offload_optimizer",
+    "nvme",
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """The launcher must refuse before starting any rank."""
+    import zerotrain.comm.launch as launch
+
+    def started(*_a, **_k):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "launch_local", started)
+
+
+def test_bad_nvme_paths_are_one_line_before_ranks_start(tmp_path, capsys, no_launch):
+    (tmp_path / "afile").write_text("a file")
+    for path, why in (
+        (tmp_path / "afile", "it is a file, not a directory"),
+        (tmp_path / "afile" / "sub", "Not a directory"),
+        (Path("/proc/zt_nvme"), "No such file or directory"),
+    ):
+        code, _, err = run(
+            capsys,
+            "train",
+            *TIERED,
+            "--nproc",
+            "2",
+            "--zero.nvme_path",
+            str(path),
+            "--logging.run_dir",
+            str(tmp_path / "run"),
+        )
+        line = one_error(err, "train")
+        assert (
+            code == 2
+            and f"zero.nvme_path {path}: cannot create the run's offload files there ({why})"
+            in line
+        ), line
+
+
+def test_too_small_disk_is_one_line_before_ranks_start(tmp_path, capsys, no_launch, monkeypatch):
+    import zerotrain.run.tier_check as tier_check
+    from zerotrain.config import build_config
+
+    monkeypatch.setattr(tier_check, "free_bytes", lambda _p: 4096)
+    code, _, err = run(
+        capsys,
+        "train",
+        *TIERED,
+        "--nproc",
+        "2",
+        "--zero.nvme_path",
+        str(tmp_path / "swap"),
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+    )
+    line = one_error(err, "train")
+    cfg = build_config(
+        {
+            "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16},
+            "zero": {
+                "stage": 3,
+                "offload_param": "nvme",
+                "offload_optimizer": "nvme",
+                "nvme_path": "x",
+            },
+        }
+    )
+    need = 2 * tier_check.disk_bytes_per_rank(cfg, 2, "cpu")
+    assert need > 4096
+    assert code == 2 and f"need about {need} bytes" in line and "only 4096 bytes" in line
+
+
+def test_tier_error_inside_the_run_is_one_line(tmp_path, capsys):
+    """One process: the engine's own check (a TierError) is a user error, not a traceback."""
+    (tmp_path / "afile").write_text("a file")
+    code, _, err = run(
+        capsys,
+        "train",
+        *TIERED,
+        "--zero.nvme_path",
+        str(tmp_path / "afile" / "sub"),
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+    )
+    assert code == 2 and "cannot create the run's offload files" in one_error(err, "train")
+
+
+def test_muon_with_the_optimizer_on_nvme_is_a_config_error(tmp_path):
+    from zerotrain.config import ConfigError, build_config
+    from zerotrain.deepspeed_config import map_deepspeed
+
+    with pytest.raises(
+        ConfigError,
+        match=r"optimizer\.name muon with zero\.offload_optimizer "
+        r"nvme",
+    ):
+        build_config(
+            {
+                "optimizer": {"name": "muon"},
+                "zero": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)},
+            }
+        )
+    mapped = map_deepspeed(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "Muon", "params": {"lr": 0.02}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            },
+        }
+    )
+    with pytest.raises(ConfigError, match=r"muon with zero\.offload_optimizer nvme"):
+        build_config(mapped.config)
+
+
+@pytest.mark.parametrize(
+    ("zero", "name"),
+    [
+        ({"nvme_path": "/x"}, "zero.nvme_path (/x)"),
+        ({"nvme_threads": 8}, "zero.nvme_threads (8)"),
+        ({"stage": 3, "offload_param": "cpu", "nvme_block_mb": 2.0}, "zero.nvme_block_mb"),
+        ({"offload_prefetch": 3}, "zero.offload_prefetch (3)"),
+    ],
+)
+def test_tier_settings_without_their_tier_are_refused_as_idle(zero, name):
+    from zerotrain.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=re.escape(name)):
+        build_config({"zero": zero})
+    # with their tier they are taken
+    build_config({"zero": {**zero, "stage": 3, "offload_param": "nvme", "nvme_path": "/x"}})
