@@ -288,3 +288,50 @@ def test_tier_settings_without_their_tier_are_refused_as_idle(zero, name):
         build_config({"zero": zero})
     # with their tier they are taken
     build_config({"zero": {**zero, "stage": 3, "offload_param": "nvme", "nvme_path": "/x"}})
+
+
+# ------------------------------------------------------------------ BROKEN 4
+def test_tensors_in_client_state_round_trip(tmp_path):
+    """DeepSpeed pickles client_state; zerotrain keeps the same values and types
+    without a pickle."""
+    import numpy as np
+
+    engine = mlp_engine(32)
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "mystep": 2,
+        "t": torch.ones(3),
+        "ema": torch.randn(4, 5, generator=gen),
+        "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "rng": gen.get_state(),
+        "np_rng": np.random.default_rng(1).random(4),
+        "py": (1, (2, 3), None),
+        7: "int key",
+        "inf": float("inf"),
+    }
+    engine.save_checkpoint(tmp_path, client_state=state)
+    _, back = mlp_engine(32).load_checkpoint(tmp_path)
+    assert set(back) == set(state)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+        elif isinstance(v, np.ndarray):
+            assert np.array_equal(back[k], v), k
+        else:
+            assert back[k] == v, k
+    with pytest.raises(CheckpointError, match=r"client_state\['o'\] is a builtins.object"):
+        engine.save_checkpoint(tmp_path / "b", client_state={"o": object()})
+
+
+def test_convert_keeps_a_tensor_in_deepspeeds_client_state(tmp_path, capsys):
+    code, out, err = run(
+        capsys,
+        "convert",
+        "--from-deepspeed",
+        str(DS / "ds_ckpt_client_tensor"),
+        "--out",
+        str(tmp_path / "zt"),
+    )
+    assert code == 0, err
+    _, client_state = mlp_engine(32).load_checkpoint(tmp_path / "zt")
+    assert client_state["mystep"] == 2 and torch.equal(client_state["t"], torch.ones(3))
