@@ -19,7 +19,6 @@ same); the config gives every *setting* (learning rate and schedule, betas, deca
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -30,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
+from zerotrain.checkpoint import client_state as client_states
 from zerotrain.checkpoint import stream
 from zerotrain.checkpoint.io import (
     CheckpointError,
@@ -78,10 +78,7 @@ def save(state: dict[str, Any], root: str | Path, *, step: int, rank: int, world
     meta_in = state["meta"]
     rank_meta = {**cut, "param_groups": state["optimizer"]["param_groups"],
                  "scalar_state": scalars}
-    try:
-        json.dumps(client_state)
-    except TypeError as e:
-        raise CheckpointError(f"client_state must be JSON-serialisable: {e}") from None
+    client_state = client_states.encode(client_state)
     meta = {"config": meta_in["config"], "layout": meta_in["layout"],
             "aliases": meta_in["aliases"], "optimizer": meta_in["optimizer"],
             "extra": meta_in.get("extra", {}),
@@ -163,7 +160,8 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
               counters={"global_step": int(meta["global_step"]),
                         "micro_step": int(meta["micro_step"]),
                         "spike_guard": meta.get("spike_guard")})
-    info = Loaded(ckpt, meta, not topology, reset, meta.get("client_state"),
+    client = client_states.decode(meta.get("client_state"))
+    info = Loaded(ckpt, meta, not topology, reset, client,
                   config_changes(meta.get("config", {}), template["meta"]["config"]))
     return sd, info
 

@@ -325,7 +325,9 @@ class DeepSpeedEngine(Engine):
 
         name_of = {id(p): n for n, p in self.module.named_parameters()}
         names = [[name_of[id(p)] for p in g["params"]] for g in self.param_source.param_groups]
-        shards = DeepSpeedShards(folder, names)
+        shapes = {n: torch.Size(s) for u in self.strategy.layout()["units"]
+                  for n, s, *_ in u["params"]}
+        shards = DeepSpeedShards(folder, names, shapes)
         sd = resliced(shards, self.state_dict())  # type: ignore[arg-type]
         if load_module_only:
             self.strategy.load_state_dict(sd["strategy"])

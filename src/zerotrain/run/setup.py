@@ -233,8 +233,11 @@ def _document_eos(d: DataConfig, tok: Tokenizer) -> DataConfig:
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
     """What the launcher checks before starting ranks: devices, run folder and data
     (made here once: the ranks then find the tokenizer and token shards ready)."""
-    pick_device(cfg.train.device, 0, local_world=world)
+    device = pick_device(cfg.train.device, 0, local_world=world)
     check_weights(cfg.model)
+    from zerotrain.run.tier_check import check_nvme_path
+
+    check_nvme_path(cfg, world, device.type)
     check_sequence_parallel(cfg.sequence.parallel, world, seq_len=cfg.model.block_size)
     src = resolve_resume(cfg, resume)
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
