@@ -324,7 +324,7 @@ def test_tensors_in_client_state_round_trip(tmp_path):
 
 
 def test_convert_keeps_a_tensor_in_deepspeeds_client_state(tmp_path, capsys):
-    code, out, err = run(
+    code, _out, err = run(
         capsys,
         "convert",
         "--from-deepspeed",

@@ -26,7 +26,7 @@ from torch import nn
 
 from zerotrain.comm.dist import local_rank
 from zerotrain.config import Config
-from zerotrain.deepspeed import zero
+from zerotrain.deepspeed import opened, zero
 from zerotrain.deepspeed.optim import (
     HYPER,
     ParamGroups,
@@ -39,10 +39,6 @@ from zerotrain.deepspeed.optim import (
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
-
-#: whether zerotrain.deepspeed opened the process group (and so closes it at exit)
-OPENED_GROUP = False
-
 
 _UNCAUGHT = False
 _previous_hook = sys.excepthook
@@ -66,7 +62,7 @@ def _close_all() -> None:
     (the others may never get there)."""
     for engine in list(zero.ENGINES):
         engine.close()
-    if OPENED_GROUP and torch.distributed.is_initialized():
+    if opened.OPENED_GROUP and torch.distributed.is_initialized():
         if not _UNCAUGHT:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
