@@ -87,7 +87,8 @@ class Engine(DeepSpeedAPI):
         self.comm = Comm(config.comm.algorithm,
                          ring_min_bytes=int(config.comm.ring_min_mb * 2**20),
                          check_lockstep=config.comm.check_lockstep,
-                         timeout_s=config.comm.timeout_s, grad_group=config.comm.grad_group)
+                         timeout_s=config.comm.timeout_s, grad_group=config.comm.grad_group,
+                         node_size=config.comm.node_size)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self._lay_out(model, plan, weights)
@@ -108,7 +109,7 @@ class Engine(DeepSpeedAPI):
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses
         self.phases.end("init")
         self.last_traffic: dict = {}
-        self.last_traffic_bytes = (0, 0)
+        self.last_traffic_bytes = self.last_inter_bytes = (0, 0)  # sent, received
         # ZeRO-Infinity: bytes each offload tier read and wrote in the last step
         self.last_tier_bytes: dict[str, dict[str, int]] = {}
         # step -> lr replacing the schedule (lr-find's ramp); None: the configured schedule
@@ -241,8 +242,8 @@ class Engine(DeepSpeedAPI):
         s.zero_grad()
         self.global_step += 1
         self.last_traffic = self.comm.counter.snapshot()
-        self.last_traffic_bytes = self.comm.counter.total()
-        self.comm.counter.reset()
+        c = self.comm.counter  # inter: the bytes that crossed nodes
+        self.last_traffic_bytes, self.last_inter_bytes, _ = c.total(), c.inter(), c.reset()
         tier_bytes = getattr(self.strategy, "tier_bytes", None)  # stage 3 with a tier
         self.last_tier_bytes = tier_bytes() if tier_bytes is not None else {}
         skipped_total = self.scaler.skipped + (self.spike_guard.skipped if self.spike_guard

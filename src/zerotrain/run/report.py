@@ -111,7 +111,8 @@ class Reporter:
         rec = {"type": "train", "step": eng.global_step, "loss": loss, "lr": sinfo.lr,
                "grad_norm": sinfo.grad_norm, "tokens_per_s": tokens_per_s,
                "step_time_s": dt, "loss_scale": sinfo.loss_scale,
-               "skipped_total": sinfo.skipped_total, "bytes_sent": eng.last_traffic_bytes[0]}
+               "skipped_total": sinfo.skipped_total, "bytes_sent": eng.last_traffic_bytes[0],
+               "inter_node_bytes_sent": eng.last_inter_bytes[0]}
         if eng.last_tier_bytes:  # offload tiers that move bytes (nvme): read/written this step
             rec["tier_bytes"] = eng.last_tier_bytes
         if sinfo.fp8 is not None:  # FP8 overflow/underflow counts per tensor class, this step

@@ -28,6 +28,7 @@ from zerotrain.comm.dist import (
     pick_device,
 )
 from zerotrain.config import Config, ConfigError, DataConfig, check_sequence_parallel
+from zerotrain.config.nodes import check_nodes
 from zerotrain.config.training import DEFAULT_WARMUP
 from zerotrain.data.dataset import (
     cached_shards,
@@ -239,6 +240,7 @@ def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
 
     check_nvme_path(cfg, world, device.type)
     check_sequence_parallel(cfg.sequence.parallel, world, seq_len=cfg.model.block_size)
+    check_nodes(cfg, world)
     src = resolve_resume(cfg, resume)
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
     for line in data.notes:
