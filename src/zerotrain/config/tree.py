@@ -66,13 +66,11 @@ class Config(_Section):
         if s.warmup_start_lr > self.optimizer.lr:
             raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
                              f"optimizer.lr ({self.optimizer.lr})")
-<<<<<<< HEAD
         if self.optimizer.name == "muon" and self.zero.offload_optimizer == "nvme":
             raise ValueError("optimizer.name muon with zero.offload_optimizer nvme: the disk "
                              "tier streams elementwise optimizer states unit by unit and Muon "
                              "updates whole matrices; use zero.offload_optimizer cpu or none "
                              "with Muon")
-=======
         if self.zero.param_wire == "fp8" and not self.precision.fp8.enabled:
             raise ValueError("zero.param_wire fp8 sends the FP8 linears' weights; it needs "
                              "precision.fp8.enabled true (or use zero.param_wire int8)")
@@ -84,7 +82,6 @@ class Config(_Section):
         if zpp and self.sequence.parallel > 1:
             raise ValueError(f"zero.{zpp[0]} places groups by node over every rank; it does not "
                              "combine with sequence.parallel > 1 yet: remove one of them")
->>>>>>> zpp
         if self.precision.fp8.all_gather and self.zero.stage != 3:
             raise ValueError("precision.fp8.all_gather gathers ZeRO-3's sharded weights; it "
                              f"needs zero.stage 3 (got {self.zero.stage})")

@@ -32,6 +32,15 @@ class Int8Wire:
         self.chunk_bytes = encoded_bytes(unit.shard_numel, BITS)
         self.send = torch.zeros(self.chunk_bytes, dtype=torch.uint8)
         self.recv: Tensor | None = None
+        self.lazy = False  # the shard lives in a tier: packed at the gather (`ready`)
+
+    def note(self, shard: Tensor) -> None:
+        """The FP8 wire's hook at the publish; the codes need nothing noted."""
+
+    def ready(self, shard: Tensor) -> None:
+        """Lazy (tier): encode the shard the tier has just made ready for a gather."""
+        if self.lazy:
+            self.pack(shard)
 
     def pack(self, shard: Tensor) -> None:
         self.send = self.send.to(shard.device)

@@ -84,7 +84,7 @@ class Int8Gather(PlainWire):
     def refresh(self, units: Sequence[ShardedUnit], comm: Comm) -> None:
         with torch.no_grad():
             for u in units:
-                if u.wire is not None:
+                if u.wire is not None and not u.wire.lazy:
                     u.wire.pack(u.shard)
 
 

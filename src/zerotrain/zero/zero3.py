@@ -105,13 +105,9 @@ class ZeRO3(ZeRO2):
         then start what comes next: the tier's reads `offload_prefetch` units ahead,
         else the next unit's gather."""
         self.param_tier.ready(u)
-<<<<<<< HEAD
         if u.wire is not None:
             u.wire.ready(u.shard)
-        u.unshard(self.comm, async_op=False)
-=======
         self._unshard(u, forward, async_op=False)
->>>>>>> zpp
         u.wait_unshard()
         self.param_tier.release(u)
         nxt = self._neighbour(u, forward)
