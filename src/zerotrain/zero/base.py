@@ -82,9 +82,11 @@ class Strategy(StrategyState):
         self._communicate = True
         self._callback_queued = False
         self._open = False
+        self._summed = False  # stages 0–1: the full gradients hold the ranks' sum
         for u in self.units:
             for i, s in enumerate(u.slots):
                 s.param.register_post_accumulate_grad_hook(self._hook(u, i))
+        self._follow_zero_grad(model)
 
     # ================================================================ declarations
     @property
@@ -162,6 +164,8 @@ class Strategy(StrategyState):
         return hook
 
     def _on_grad(self, u: Unit, i: int) -> None:
+        if not self._open:  # a backward this engine did not start: another engine's loss
+            self.pre_backward(True)  # through this model (a GAN's G through D): reduced
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
@@ -184,6 +188,21 @@ class Strategy(StrategyState):
         self._communicate = boundary or self.grads.every_micro_step
         self._callback_queued = False
         self._open = True
+        self._unsum()
+
+    def _unsum(self) -> None:
+        """Several backwards before one step (stages 0–1): a reduction left the ranks' sum
+        in every rank's full gradient (ZeRO-1: in its own chunk); reduced again with the
+        next backward's it would count N times. Each rank keeps only its own chunk of it,
+        so the next sum over ranks counts it once: g1 + g2, as one process has it."""
+        if not self._summed:
+            return
+        self._summed = False
+        with torch.no_grad():
+            for u in self.units:
+                lo, hi = u.shard_range
+                u.grad[:lo].zero_()
+                u.grad[hi:].zero_()
 
     def finish_backward(self) -> None:
         """End of backward (autograd callback): reduce late units, wait for all traffic."""
@@ -199,6 +218,7 @@ class Strategy(StrategyState):
                     self.reduce_grads(u)
         self.wait_pending()
         self.grads.drain()
+        self._summed = self._communicate and not self.grads.every_micro_step
         for u in self.units:
             u.end_backward()
         self._callback_queued = False
@@ -287,6 +307,18 @@ class Strategy(StrategyState):
 
     def zero_grad(self) -> None:
         self.grads.clear(self.units)
+        self._summed = False
+
+    def _follow_zero_grad(self, model: nn.Module) -> None:
+        """`model.zero_grad()` clears the gradients kept here too, as it clears .grad in
+        plain torch: another engine's backward through this model (a GAN's) leaves its
+        gradient in them, which the user's zero_grad must drop."""
+        own = model.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            own(set_to_none)
+            self.zero_grad()
+        model.zero_grad = zero_grad  # type: ignore[method-assign]
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
