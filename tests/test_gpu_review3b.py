@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerotrain.config import ModelConfig
 from zerotrain.models import checkpointing
@@ -289,3 +290,59 @@ def test_fp8_refresh_hands_each_piece_a_device_amax(monkeypatch):
         u.shard = full[lo:hi].clone().to("meta")
         refresh_all([u], _HostComm())
     assert seen and set(seen) == {"meta"}, seen
+
+
+# ----------------------------------------------------------------------------- L-3
+class _Ops(TorchDispatchMode):
+    """The aten ops run, and the dtypes of the tensors they make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.made: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(func.__name__)
+        if isinstance(out, torch.Tensor):
+            self.made.add(out.dtype)
+        return out
+
+
+def test_fp8_gather_decodes_natively_off_the_cpu_and_exactly():
+    """L-3: on an accelerator the gathered FP8 bytes were decoded by table — an int32
+    index tensor and an fp32 gather, 8 B/element transient. Off the CPU the native cast
+    goes straight into the output (no int32, no index_select) with the table's bits, for
+    every byte, power-of-two scales wide and narrow, each parameter dtype."""
+    from simdevice import SimDevice
+    from zerotrain.numerics.fp8_gather import dequantize
+
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for scale in (2.0**-6, 1.0, 32.0, 2.0**20):
+            s = torch.tensor(scale)
+            want = dequantize(q, s, dtype)
+            with SimDevice():
+                qd, sd = q.to("meta"), s.to("meta")
+                out = torch.empty(256, dtype=dtype).to("meta")
+                with _Ops() as ops:
+                    got = dequantize(qd, sd, dtype, out=out)
+                got = got.cpu()
+            assert torch.equal(got.view(-1).float().nan_to_num(7.0),
+                               want.float().nan_to_num(7.0)), (dtype, scale)
+            assert "index_select.default" not in ops.ops and torch.int32 not in ops.made
+            if dtype != torch.float16:
+                assert torch.float32 not in ops.made or dtype == torch.float32, ops.ops
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_gather_native_decode_equals_the_table_gpu():
+    from zerotrain.numerics.fp8_gather import dequantize
+
+    q = torch.randint(0, 256, (1 << 20,), dtype=torch.int32).to(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        s = torch.tensor(64.0)
+        want = dequantize(q, s, dtype)
+        got = dequantize(q.cuda(), s.cuda(), dtype).cpu()
+        assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
