@@ -71,6 +71,9 @@ class _Log:
     def keep(self, t, stream) -> None:
         self.log.append(("keep", stream.name))
 
+    def recycle(self, host) -> None:
+        self.log.append(("recycle",))
+
 
 def test_stash_fetch_orders_its_write_after_the_compute_stream():
     """W-2: the block `fetch` allocates belongs to the compute stream's pool and may have
@@ -346,3 +349,77 @@ def test_fp8_gather_native_decode_equals_the_table_gpu():
         want = dequantize(q, s, dtype)
         got = dequantize(q.cuda(), s.cuda(), dtype).cpu()
         assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+
+
+# ----------------------------------------------------------------------------- L-1
+def test_offloaded_activations_reuse_exact_size_pinned_buffers(monkeypatch):
+    """L-1: each stashed block input took pinned memory from torch's caching host
+    allocator (rounded up to a power of two, kept for the process's life, not released
+    by close). Now exact-size registered buffers from a pool: one per block, reused by
+    the next step, given back when the engine closes."""
+    from zerotrain.memory import host
+
+    made, released = [], []
+
+    def fake_buffer(numel, dtype, pinned):
+        assert pinned
+        made.append(numel)
+        return torch.zeros(numel, dtype=dtype)
+
+    monkeypatch.setattr(host, "host_buffer", fake_buffer)
+    monkeypatch.setattr(host, "release_host_buffer", lambda t: released.append(t.numel()))
+    pool = host.PinnedPool()
+    monkeypatch.setattr(host, "PINNED", pool)
+    monkeypatch.setattr(checkpointing, "PINNED", pool)
+
+    class PooledHost(checkpointing.HostCopies):  # the CUDA path's host side
+        host_like = checkpointing.CudaCopies.host_like
+        recycle = checkpointing.CudaCopies.recycle
+
+    monkeypatch.setattr(checkpointing, "HOST_COPIES", PooledHost())
+    model, plain = _tiny_gpt(0.0), _tiny_gpt(0.0)
+    apply_checkpointing(model.blocks, "offload", force_stash=True)
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(3):
+        HostStash._last = None
+        model.zero_grad()
+        model(x, x).backward()
+    plain(x, x).backward()
+    for (n, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=n)
+    assert made == [2 * 16 * 32] * 2  # exact size, one per block, made once
+    assert pool.made == 2 and len(pool.free[(2 * 16 * 32, torch.float32)]) == 2
+    pool.release()
+    assert released == [2 * 16 * 32] * 2 and not pool.free
+
+
+def test_engine_close_releases_the_pinned_pool(monkeypatch):
+    from zerotrain.engine import Engine
+    from zerotrain.memory import host
+
+    from zero_harness import make_config
+
+    calls = []
+    monkeypatch.setattr(host.PINNED, "release", lambda: calls.append(True))
+    cfg = make_config({"zero": {"stage": 0}}, 1, 4)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    eng.close()
+    assert calls == [True]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_offloaded_activations_pinned_pool_gpu():
+    from zerotrain.memory import host
+
+    model = _tiny_gpt(0.0).cuda()
+    apply_checkpointing(model.blocks, "offload")
+    x = torch.randint(0, 256, (2, 16), device="cuda")
+    before = host.PINNED.made
+    for _ in range(3):
+        HostStash._last = None
+        model(x, x).backward()
+    torch.cuda.synchronize()
+    assert host.PINNED.made - before <= 2
+    host.PINNED.release()
+    assert not host.PINNED.free
