@@ -423,3 +423,35 @@ def test_offloaded_activations_pinned_pool_gpu():
     assert host.PINNED.made - before <= 2
     host.PINNED.release()
     assert not host.PINNED.free
+
+
+# ----------------------------------------------------------------------------- L-4
+def test_an_evaluation_forward_keeps_no_document_mask():
+    """L-4: the dense [B,1,T,T] document mask of an evaluation forward (no backward to
+    come) stayed referenced until the next training forward; it goes at once now, and
+    an evaluation between a training forward and its backward leaves that one's alone."""
+    from zerotrain.models.documents import DocumentMasking, attention_mask_for
+
+    model = _tiny_gpt(0.0)
+    masking = DocumentMasking(3, model)
+    x = torch.randint(4, 256, (2, 16))
+    x[:, 5] = 3
+    held = []
+
+    def call(idx, targets):
+        held.append(attention_mask_for(torch.zeros(2, 2, 16, 8)))
+        return model(idx, targets)
+
+    loss = masking.forward(call, (x, x), {})
+    train_docs = masking.last
+    assert train_docs is not None and train_docs._masks
+    with torch.no_grad():
+        masking.forward(call, (x, x), {})
+    assert held[1] is not None and held[1] is not held[0]
+    assert masking.last is train_docs and train_docs._masks  # the training one kept
+    with masking.backward_context():
+        loss.backward()
+    assert not train_docs._masks
+    with torch.no_grad():
+        masking.forward(call, (x, x), {})
+    assert masking.last is train_docs and not train_docs._masks  # nothing new held
