@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerotrain.config import ModelConfig
 from zerotrain.models import checkpointing
@@ -69,6 +70,9 @@ class _Log:
 
     def keep(self, t, stream) -> None:
         self.log.append(("keep", stream.name))
+
+    def recycle(self, host) -> None:
+        self.log.append(("recycle",))
 
 
 def test_stash_fetch_orders_its_write_after_the_compute_stream():
@@ -289,3 +293,165 @@ def test_fp8_refresh_hands_each_piece_a_device_amax(monkeypatch):
         u.shard = full[lo:hi].clone().to("meta")
         refresh_all([u], _HostComm())
     assert seen and set(seen) == {"meta"}, seen
+
+
+# ----------------------------------------------------------------------------- L-3
+class _Ops(TorchDispatchMode):
+    """The aten ops run, and the dtypes of the tensors they make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.made: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(func.__name__)
+        if isinstance(out, torch.Tensor):
+            self.made.add(out.dtype)
+        return out
+
+
+def test_fp8_gather_decodes_natively_off_the_cpu_and_exactly():
+    """L-3: on an accelerator the gathered FP8 bytes were decoded by table — an int32
+    index tensor and an fp32 gather, 8 B/element transient. Off the CPU the native cast
+    goes straight into the output (no int32, no index_select) with the table's bits, for
+    every byte, power-of-two scales wide and narrow, each parameter dtype."""
+    from simdevice import SimDevice
+    from zerotrain.numerics.fp8_gather import dequantize
+
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for scale in (2.0**-6, 1.0, 32.0, 2.0**20):
+            s = torch.tensor(scale)
+            want = dequantize(q, s, dtype)
+            with SimDevice():
+                qd, sd = q.to("meta"), s.to("meta")
+                out = torch.empty(256, dtype=dtype).to("meta")
+                with _Ops() as ops:
+                    got = dequantize(qd, sd, dtype, out=out)
+                got = got.cpu()
+            assert torch.equal(got.view(-1).float().nan_to_num(7.0),
+                               want.float().nan_to_num(7.0)), (dtype, scale)
+            assert "index_select.default" not in ops.ops and torch.int32 not in ops.made
+            if dtype != torch.float16:
+                assert torch.float32 not in ops.made or dtype == torch.float32, ops.ops
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_gather_native_decode_equals_the_table_gpu():
+    from zerotrain.numerics.fp8_gather import dequantize
+
+    q = torch.randint(0, 256, (1 << 20,), dtype=torch.int32).to(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        s = torch.tensor(64.0)
+        want = dequantize(q, s, dtype)
+        got = dequantize(q.cuda(), s.cuda(), dtype).cpu()
+        assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+
+
+# ----------------------------------------------------------------------------- L-1
+def test_offloaded_activations_reuse_exact_size_pinned_buffers(monkeypatch):
+    """L-1: each stashed block input took pinned memory from torch's caching host
+    allocator (rounded up to a power of two, kept for the process's life, not released
+    by close). Now exact-size registered buffers from a pool: one per block, reused by
+    the next step, given back when the engine closes."""
+    from zerotrain.memory import host
+
+    made, released = [], []
+
+    def fake_buffer(numel, dtype, pinned):
+        assert pinned
+        made.append(numel)
+        return torch.zeros(numel, dtype=dtype)
+
+    monkeypatch.setattr(host, "host_buffer", fake_buffer)
+    monkeypatch.setattr(host, "release_host_buffer", lambda t: released.append(t.numel()))
+    pool = host.PinnedPool()
+    monkeypatch.setattr(host, "PINNED", pool)
+    monkeypatch.setattr(checkpointing, "PINNED", pool)
+
+    class PooledHost(checkpointing.HostCopies):  # the CUDA path's host side
+        host_like = checkpointing.CudaCopies.host_like
+        recycle = checkpointing.CudaCopies.recycle
+
+    monkeypatch.setattr(checkpointing, "HOST_COPIES", PooledHost())
+    model, plain = _tiny_gpt(0.0), _tiny_gpt(0.0)
+    apply_checkpointing(model.blocks, "offload", force_stash=True)
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(3):
+        HostStash._last = None
+        model.zero_grad()
+        model(x, x).backward()
+    plain(x, x).backward()
+    for (n, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=n)
+    assert made == [2 * 16 * 32] * 2  # exact size, one per block, made once
+    assert pool.made == 2 and len(pool.free[(2 * 16 * 32, torch.float32)]) == 2
+    pool.release()
+    assert released == [2 * 16 * 32] * 2 and not pool.free
+
+
+def test_engine_close_releases_the_pinned_pool(monkeypatch):
+    from zerotrain.engine import Engine
+    from zerotrain.memory import host
+
+    from zero_harness import make_config
+
+    calls = []
+    monkeypatch.setattr(host.PINNED, "release", lambda: calls.append(True))
+    cfg = make_config({"zero": {"stage": 0}}, 1, 4)
+    eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
+    eng.close()
+    assert calls == [True]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_offloaded_activations_pinned_pool_gpu():
+    from zerotrain.memory import host
+
+    model = _tiny_gpt(0.0).cuda()
+    apply_checkpointing(model.blocks, "offload")
+    x = torch.randint(0, 256, (2, 16), device="cuda")
+    before = host.PINNED.made
+    for _ in range(3):
+        HostStash._last = None
+        model(x, x).backward()
+    torch.cuda.synchronize()
+    assert host.PINNED.made - before <= 2
+    host.PINNED.release()
+    assert not host.PINNED.free
+
+
+# ----------------------------------------------------------------------------- L-4
+def test_an_evaluation_forward_keeps_no_document_mask():
+    """L-4: the dense [B,1,T,T] document mask of an evaluation forward (no backward to
+    come) stayed referenced until the next training forward; it goes at once now, and
+    an evaluation between a training forward and its backward leaves that one's alone."""
+    from zerotrain.models.documents import DocumentMasking, attention_mask_for
+
+    model = _tiny_gpt(0.0)
+    masking = DocumentMasking(3, model)
+    x = torch.randint(4, 256, (2, 16))
+    x[:, 5] = 3
+    held = []
+
+    def call(idx, targets):
+        held.append(attention_mask_for(torch.zeros(2, 2, 16, 8)))
+        return model(idx, targets)
+
+    loss = masking.forward(call, (x, x), {})
+    train_docs = masking.last
+    assert train_docs is not None and train_docs._masks
+    with torch.no_grad():
+        masking.forward(call, (x, x), {})
+    assert held[1] is not None and held[1] is not held[0]
+    assert masking.last is train_docs and train_docs._masks  # the training one kept
+    with masking.backward_context():
+        loss.backward()
+    assert not train_docs._masks
+    with torch.no_grad():
+        masking.forward(call, (x, x), {})
+    assert masking.last is train_docs and not train_docs._masks  # nothing new held

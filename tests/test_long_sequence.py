@@ -379,6 +379,9 @@ class _Recording:
     def keep(self, t, stream):
         self.log.append(("keep", stream.name))
 
+    def recycle(self, host):
+        pass
+
 
 def test_offload_orders_its_copies(monkeypatch):
     """The offload path's stream discipline, with CUDA's calls stood in for: each input

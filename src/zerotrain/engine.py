@@ -35,7 +35,7 @@ from zerotrain.comm.dist import bind_device, patient_barrier
 from zerotrain.config import Config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import PhasePeaks, phase_estimates
-from zerotrain.memory.host import mmap_threshold, return_freed_blocks
+from zerotrain.memory.host import PINNED, mmap_threshold, return_freed_blocks
 from zerotrain.models import Plan, long_sequence, plan_for
 from zerotrain.models.ulysses import SequenceParallel
 from zerotrain.numerics.fp8_linear import convert_to_fp8
@@ -398,3 +398,4 @@ class Engine(DeepSpeedAPI):
 
     def close(self) -> None:
         self.strategy.close()
+        PINNED.release()  # activation offload's pinned buffers (memory/host.py)

@@ -50,11 +50,6 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
     if not enabled:
         yield
         return
-    # as DeepSpeed's does: a script that relies on it has a group for GatheredParameters'
-    # broadcast (without one every rank would keep its own values, silently)
-    from zerotrain.deepspeed.comm import init_distributed
-
-    init_distributed()
     with torch.device("meta"):
         yield
 

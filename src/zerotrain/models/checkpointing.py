@@ -26,6 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from zerotrain.memory.host import PINNED
+
 #: `model.activation_checkpointing` values
 Mode = bool | str
 
@@ -50,7 +52,12 @@ class CudaCopies:
         return torch.cuda.Event()
 
     def host_like(self, x: Tensor) -> Tensor:
-        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return PINNED.take(x.numel(), x.dtype).view(x.shape)
+
+    def recycle(self, host: Tensor) -> None:
+        """`host` is free for the next stash: every copy that reads or writes it is on
+        the one side stream, so the next copy into it is ordered after this one's."""
+        PINNED.give(host)
 
     def device_like(self, t: Tensor, device: torch.device) -> Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device)
@@ -88,6 +95,9 @@ class HostCopies(CudaCopies):
         return torch.empty(t.shape, dtype=t.dtype, device=device)
 
     def keep(self, t: Tensor, stream: Any) -> None: ...
+
+    def recycle(self, host: Tensor) -> None: ...
+
 
 
 class HostStash:
@@ -142,6 +152,8 @@ class HostStash:
             return x
         self.fetch()
         self.rt.current(self.device).wait_event(self.ready)
+        assert self.host is not None
+        self.rt.recycle(self.host)
         x, self.dev, self.host, self.done = self.dev, None, None, True
         prev, self.prev = self.prev, None
         if prev is not None:  # overlap: the previous block's input comes back meanwhile
