@@ -385,3 +385,31 @@ def test_a_deepspeed_folder_given_to_export_or_resume_names_convert(tmp_path, ca
 
     with pytest.raises(CheckpointError, match=re.escape(hint)):
         resolve(src)
+
+
+# ------------------------------------------------------------------ MISLEADING 6
+def test_resume_at_another_data_parallel_degree_says_the_global_batch_changes():
+    from zerotrain.config import build_config
+    from zerotrain.run.setup import global_batch_change
+
+    sp2 = {
+        "world_size": 2,
+        "config": {
+            "data": {"micro_batch_size": 2, "grad_accum_steps": 1},
+            "sequence": {"parallel": 2},
+        },
+    }
+    cfg = build_config({"data": {"micro_batch_size": 2}})
+    (line,) = global_batch_change(sp2, cfg, dp=2)  # SP 2 -> 1 on the same 2 ranks
+    assert (
+        "the global batch changes from 2 sequences per step (micro-batch 2 × "
+        "accumulation 1 × 1 data-parallel rank(s)) to 4 (2 × 1 × 2)" in line
+    )
+    assert line.endswith("to keep 2, resume with --data.micro_batch_size 1")
+    assert global_batch_change(sp2, cfg, dp=1) == []  # SP 2 -> 1 on one rank: kept
+    two = {"world_size": 2, "config": {"data": {"micro_batch_size": 2, "grad_accum_steps": 1}}}
+    (line,) = global_batch_change(two, cfg, dp=1)  # 2 ranks -> 1 halves it
+    assert "from 4 sequences" in line and "to 2 (2 × 1 × 1)" in line
+    assert "--data.grad_accum_steps 2 or --data.micro_batch_size 4" in line
+    kept = build_config({"data": {"micro_batch_size": 4}})
+    assert global_batch_change(two, kept, dp=1) == []
