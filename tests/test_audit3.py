@@ -324,7 +324,7 @@ def test_tensors_in_client_state_round_trip(tmp_path):
 
 
 def test_convert_keeps_a_tensor_in_deepspeeds_client_state(tmp_path, capsys):
-    code, _out, err = run(
+    code, _, err = run(
         capsys,
         "convert",
         "--from-deepspeed",
@@ -335,3 +335,81 @@ def test_convert_keeps_a_tensor_in_deepspeeds_client_state(tmp_path, capsys):
     assert code == 0, err
     _, client_state = mlp_engine(32).load_checkpoint(tmp_path / "zt")
     assert client_state["mystep"] == 2 and torch.equal(client_state["t"], torch.ones(3))
+
+
+# ------------------------------------------------------------------ BROKEN 5, MISLEADING 3 / 9
+def test_convert_user_errors_are_one_line(tmp_path, capsys):
+    src = str(DS / "ds_ckpt_stage2")
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["--from-deepspeed", src, "--out", str(tmp_path / "afile")], "is a file: give a "),
+        (["--from-deepspeed", src, "--out", "/proc/zt_out"], "cannot write there"),
+        (
+            ["--from-deepspeed", src, "--tag", "nope", "--out", str(tmp_path / "n")],
+            "has no DeepSpeed checkpoint tagged 'nope'; its tags: global_step6",
+        ),
+    ]
+    binary = copy("ds_ckpt_stage2", tmp_path)
+    (binary / "latest").write_bytes(b"\x00\xff\xfe")
+    cases.append(
+        (
+            ["--from-deepspeed", str(binary), "--out", str(tmp_path / "o1")],
+            "latest' is damaged (it names no folder: b'\\x00\\xff\\xfe'); its tags: global_step6",
+        )
+    )
+    tensor = tmp_path / "tensor"
+    shutil.copytree(DS / "ds_ckpt_stage2", tensor)
+    torch.save(torch.ones(3), tensor / "global_step6" / "mp_rank_00_model_states.pt")
+    cases.append(
+        (
+            ["--from-deepspeed", str(tensor), "--out", str(tmp_path / "o2")],
+            "is not a DeepSpeed model-states file",
+        )
+    )
+    for argv, want in cases:
+        code, _, err = run(capsys, "convert", *argv)
+        assert code == 2 and want in one_error(err, "convert"), (argv, err)
+    assert not (tmp_path / "n").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_deepspeed_folder_given_to_export_or_resume_names_convert(tmp_path, capsys):
+    src = DS / "ds_ckpt_stage2"
+    hint = (
+        f"is a DeepSpeed checkpoint ('global_step6' holds DeepSpeed's "
+        f"mp_rank_00_model_states.pt), not a zerotrain one: convert it first with "
+        f"zerotrain convert --from-deepspeed {src} --out CKPT"
+    )
+    code, _, err = run(capsys, "export", str(src), "--out", str(tmp_path / "w.safetensors"))
+    assert code == 2 and hint in one_error(err, "export")
+    from zerotrain.checkpoint.io import resolve
+
+    with pytest.raises(CheckpointError, match=re.escape(hint)):
+        resolve(src)
+
+
+# ------------------------------------------------------------------ MISLEADING 6
+def test_resume_at_another_data_parallel_degree_says_the_global_batch_changes():
+    from zerotrain.config import build_config
+    from zerotrain.run.setup import global_batch_change
+
+    sp2 = {
+        "world_size": 2,
+        "config": {
+            "data": {"micro_batch_size": 2, "grad_accum_steps": 1},
+            "sequence": {"parallel": 2},
+        },
+    }
+    cfg = build_config({"data": {"micro_batch_size": 2}})
+    (line,) = global_batch_change(sp2, cfg, dp=2)  # SP 2 -> 1 on the same 2 ranks
+    assert (
+        "the global batch changes from 2 sequences per step (micro-batch 2 × "
+        "accumulation 1 × 1 data-parallel rank(s)) to 4 (2 × 1 × 2)" in line
+    )
+    assert line.endswith("to keep 2, resume with --data.micro_batch_size 1")
+    assert global_batch_change(sp2, cfg, dp=1) == []  # SP 2 -> 1 on one rank: kept
+    two = {"world_size": 2, "config": {"data": {"micro_batch_size": 2, "grad_accum_steps": 1}}}
+    (line,) = global_batch_change(two, cfg, dp=1)  # 2 ranks -> 1 halves it
+    assert "from 4 sequences" in line and "to 2 (2 × 1 × 1)" in line
+    assert "--data.grad_accum_steps 2 or --data.micro_batch_size 4" in line
+    kept = build_config({"data": {"micro_batch_size": 4}})
+    assert global_batch_change(two, kept, dp=1) == []

@@ -64,6 +64,12 @@ def resolve(path: str | Path) -> Path:
         q = p / read_latest(p)
         if (q / "meta.json").is_file():
             return q
+        if any((q / f).is_file() for f in DEEPSPEED_MODEL_FILES):
+            raise CheckpointError(
+                f"'{p}' is a DeepSpeed checkpoint ('{q.name}' holds DeepSpeed's "
+                f"{next(f for f in DEEPSPEED_MODEL_FILES if (q / f).is_file())}), not a "
+                f"zerotrain one: convert it first with zerotrain convert --from-deepspeed {p} "
+                "--out CKPT, then use CKPT")
         raise CheckpointError(f"'{p}/latest' names '{q.name}', which is incomplete or missing")
     if (p / "checkpoints").is_dir():
         return resolve(p / "checkpoints")
@@ -71,6 +77,10 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(f"'{p}' holds no checkpoint (no meta.json and no 'latest' file); "
                               "pass the checkpoint root or one of its step_* folders")
     raise CheckpointError(f"checkpoint '{p}' does not exist")
+
+
+#: the model-states files of a DeepSpeed checkpoint folder (stages 0-2, stage 3)
+DEEPSPEED_MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def latest_name(root: Path) -> str | None:

@@ -26,10 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zerotrain.checkpoint.io import CheckpointError
+from zerotrain.checkpoint.io import DEEPSPEED_MODEL_FILES, CheckpointError
 
-MODEL_FILES = ("mp_rank_00_model_states.pt",  # stages 0-2
-               "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stage 3 (rank 0's)
+MODEL_FILES = DEEPSPEED_MODEL_FILES  # stages 0-2; stage 3 (rank 0's)
 #: model-states keys DeepSpeed writes itself; the rest is the script's client_state
 _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
             "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler",
@@ -66,11 +65,28 @@ def find(load_dir: str | Path, tag: str | None) -> Path | None:
     """The folder of a DeepSpeed checkpoint (through `latest` or `tag`), else None."""
     root = Path(load_dir)
     if tag is None and (root / "latest").is_file():
-        tag = (root / "latest").read_text().strip()
+        try:
+            tag = (root / "latest").read_bytes().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            tags = tags_in(root)
+            if not tags:
+                return None  # not a DeepSpeed folder: zerotrain's reader says what is wrong
+            raw = (root / "latest").read_bytes()[:40]
+            raise CheckpointError(f"'{root}/latest' is damaged (it names no folder: {raw!r}); "
+                                  f"its tags: {', '.join(tags)}: pass one with --tag (tag=)"
+                                  ) from None
     for folder in (root, root / str(tag)) if tag is not None else (root,):
         if any((folder / f).is_file() for f in MODEL_FILES):
             return folder
     return None
+
+
+def tags_in(root: Path) -> list[str]:
+    """The folders under `root` that hold a DeepSpeed checkpoint."""
+    if not root.is_dir():
+        return []
+    return sorted(d.name for d in root.iterdir()
+                  if d.is_dir() and any((d / f).is_file() for f in MODEL_FILES))
 
 
 def read(path: Path) -> Any:

@@ -338,4 +338,33 @@ def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
     if info.changes:
         lines.append("[zerotrain] warning: settings differ from the checkpoint's, this run's "
                      "config wins: " + "; ".join(info.changes))
-    return lines
+    return lines + global_batch_change(info.meta, cfg, engine.dp_size)
+
+
+def global_batch_change(meta: dict, cfg: Config, dp: int) -> list[str]:
+    """A warning when the sequences per optimizer step (micro-batch × accumulation ×
+    data-parallel ranks) differ from the checkpoint's run: another world size or
+    sequence.parallel changes them as surely as another micro-batch does. The run keeps
+    this run's settings (as for every changed setting); the line says how to keep the
+    checkpoint's batch instead."""
+    saved = meta.get("config") or {}
+    data, seq = saved.get("data") or {}, saved.get("sequence") or {}
+    try:
+        old_dp = int(meta["world_size"]) // max(1, int(seq.get("parallel", 1)))
+        old = int(data["micro_batch_size"]) * int(data.get("grad_accum_steps", 1)) * old_dp
+    except (KeyError, TypeError, ValueError):
+        return []
+    mb, acc = cfg.data.micro_batch_size, cfg.data.grad_accum_steps
+    new = mb * acc * dp
+    if new == old:
+        return []
+    fixes = []
+    if old % (mb * dp) == 0:
+        fixes.append(f"--data.grad_accum_steps {old // (mb * dp)}")
+    if old % (acc * dp) == 0 and old // (acc * dp) != mb:
+        fixes.append(f"--data.micro_batch_size {old // (acc * dp)}")
+    keep = (f"; to keep {old}, resume with {' or '.join(fixes)}" if fixes else "")
+    return [f"[zerotrain] warning: the global batch changes from {old} sequences per step "
+            f"(micro-batch {data['micro_batch_size']} × accumulation "
+            f"{data.get('grad_accum_steps', 1)} × {old_dp} data-parallel rank(s)) to {new} "
+            f"({mb} × {acc} × {dp}): this run trains with {new}{keep}"]
