@@ -155,6 +155,12 @@ def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
                 r.notes.append(f"{z}.{key}: ignored below stage 3 (as DeepSpeed does)")
     zero_plus_plus(r, stage, zero)
     offload(r, stage, zero)
+    if stage == 1 and zero.get("offload_optimizer") == "cpu":
+        zero["stage"] = 2
+        r.notes.append(f"{z}.stage=1 with offload_optimizer cpu: run as zerotrain's ZeRO-2 + "
+                       "Offload (DeepSpeed's ZeRO-1 and -2 are one optimizer; with Offload "
+                       "both update this rank's shard on the host from the averaged "
+                       "gradients: the same updates)")
     out["zero"] = zero
 
 
@@ -193,7 +199,9 @@ def monitors(r: Reader, out: dict[str, Any]) -> None:
              (("project", "project"), ("entity", "team"), ("group", "group"))}
     if any(v is not None for v in wandb.values()):
         logging["wandb"] = {k: v for k, v in wandb.items() if v is not None}
-    if "steps_per_print" in r.data:
+    if r.data.get("steps_per_print") == float("inf"):  # Accelerate's "never print"
+        r.get("steps_per_print", 10, float)
+    elif "steps_per_print" in r.data:
         logging["log_every"] = r.get("steps_per_print", 10, int, auto="logging.log_every")
     if logging:
         out["logging"] = logging
