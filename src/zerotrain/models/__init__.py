@@ -24,6 +24,7 @@ from torch import nn
 
 from zerotrain.config import ModelConfig
 from zerotrain.models import gpt, hf, llama, presets
+from zerotrain.models.hf_convert import ConvertedIndex
 from zerotrain.models.hf_export import hf_name
 from zerotrain.models.plan import Group, Plan, default_plan
 from zerotrain.models.presets import PRESETS, resolve_model_config
@@ -95,7 +96,10 @@ def pretrained_weights(model_cfg: ModelConfig, model: nn.Module) -> Weights | No
         return [(name, False), hf_name(arch, name)]
 
     with _naming(model_cfg):
-        index = open_weights(path)
+        index: Any = open_weights(path)
+        if isinstance(model, hf.HFCausalLM) and index.metadata.get("format") != EXPORT_FORMAT:
+            # the Hub's on-disk names (per-expert MoE tensors) -> the in-memory ones
+            index = ConvertedIndex(index, model.hf)
         return Weights(index, bind(model, index, candidates))
 
 

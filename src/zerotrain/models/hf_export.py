@@ -27,7 +27,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from zerotrain.config import ModelConfig
-from zerotrain.models.hf import PREFIX
+from zerotrain.models.hf import PREFIX, build_hf
+from zerotrain.models.hf_convert import to_disk_layout
 from zerotrain.models.presets import read_hf_config, resolve_model_config
 
 _GPT_TOP = {"wte": "transformer.wte", "wpe": "transformer.wpe", "ln_f": "transformer.ln_f",
@@ -92,7 +93,10 @@ def to_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor],
     if c.hf is not None:
         if hf_config is None:
             hf_config = read_hf_config(c.hf)
-        return dict(hf_config), {hf_name(None, k)[0]: v for k, v in state_dict.items()}
+        with torch.device("meta"):  # transformers' own rules give the on-disk layout
+            meta = build_hf(c, hf_config).hf
+        return dict(hf_config), to_disk_layout(
+            meta, {hf_name(None, k)[0]: v for k, v in state_dict.items()})
     out: dict[str, Tensor] = {}
     for name, t in state_dict.items():
         if name == "head.weight" and c.tie_weights:
