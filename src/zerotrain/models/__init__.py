@@ -25,7 +25,7 @@ from torch import nn
 from zerotrain.config import ModelConfig
 from zerotrain.models import gpt, hf, llama, presets
 from zerotrain.models.hf_convert import ConvertedIndex
-from zerotrain.models.hf_export import hf_name
+from zerotrain.models.hf_export import hf_name, hf_twin
 from zerotrain.models.plan import Group, Plan, default_plan
 from zerotrain.models.presets import PRESETS, resolve_model_config
 from zerotrain.models.weights import SafetensorsIndex, WeightError, Weights, bind
@@ -97,9 +97,12 @@ def pretrained_weights(model_cfg: ModelConfig, model: nn.Module) -> Weights | No
 
     with _naming(model_cfg):
         index: Any = open_weights(path)
-        if isinstance(model, hf.HFCausalLM) and index.metadata.get("format") != EXPORT_FORMAT:
+        if index.metadata.get("format") != EXPORT_FORMAT:
             # the Hub's on-disk names (per-expert MoE tensors) -> the in-memory ones
-            index = ConvertedIndex(index, model.hf)
+            twin = model.hf if isinstance(model, hf.HFCausalLM) else \
+                hf_twin(model_cfg) if model_cfg.moe is not None else None
+            if twin is not None:
+                index = ConvertedIndex(index, twin)
         return Weights(index, bind(model, index, candidates))
 
 

@@ -75,6 +75,9 @@ class Reporter:
             post["scale"] = f"{rec['loss_scale']:g}"
         if "fp8" in rec:  # saturated (overflowing) FP8 values: input/weight/grad
             post["fp8 ovf"] = "/".join(str(v["overflow"]) for v in rec["fp8"].values())
+        if "moe" in rec:  # the busiest expert's tokens over the mean (1.00 = balanced)
+            post["moe imb"] = f"{rec['moe']['imbalance']:.2f}"
+            post["aux"] = f"{rec['moe']['aux_loss']:.3f}"
         if self.bar is not None:
             self.bar.set_postfix(post, refresh=False)
             return
@@ -106,8 +109,9 @@ class Reporter:
                 self.say(warning)
 
     def log_step(self, eng: Engine, sinfo: StepInfo, loss: float, tokens_per_s: float,
-                 dt: float) -> None:
-        """A logged step: its record, and the progress bar's numbers."""
+                 dt: float, moe: dict | None = None) -> None:
+        """A logged step: its record, and the progress bar's numbers (`moe`: the routers'
+        record since the last logged step, models/moe.py)."""
         rec = {"type": "train", "step": eng.global_step, "loss": loss, "lr": sinfo.lr,
                "grad_norm": sinfo.grad_norm, "tokens_per_s": tokens_per_s,
                "step_time_s": dt, "loss_scale": sinfo.loss_scale,
@@ -116,6 +120,8 @@ class Reporter:
             rec["tier_bytes"] = eng.last_tier_bytes
         if sinfo.fp8 is not None:  # FP8 overflow/underflow counts per tensor class, this step
             rec["fp8"] = sinfo.fp8
+        if moe is not None:
+            rec["moe"] = moe
         self.train_step(rec, eng.policy.loss_scaling)
 
     def phases(self, eng: Engine) -> None:
