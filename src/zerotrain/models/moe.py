@@ -98,7 +98,7 @@ class MoE(nn.Module):
         counts = torch.bincount(expert, minlength=self.n)
         ys = self.experts(h[token], counts.tolist())
         y = torch.zeros_like(h).index_add_(0, token, ys * weight[:, None].to(ys.dtype))
-        if self.training and not _recomputing():
+        if self.training:  # also in a recompute: checkpointing wants the same graph
             self._router_losses(logits, routed, counts)
         return y.view(shape)
 
@@ -110,7 +110,10 @@ class MoE(nn.Module):
             f = routed.float() / (N * self.k)
             aux = self.n * (f * logits.softmax(-1).mean(0)).sum()
             z = torch.logsumexp(logits, -1).pow(2).mean()
-        self.aux = self.aux_coef * aux + self.z_coef * z
+        weighted = self.aux_coef * aux + self.z_coef * z
+        if _recomputing():  # its loss and counts belong to the forward it repeats
+            return
+        self.aux = weighted
         dropped = (routed.sum() - counts.sum()).reshape(1).float()
         row = torch.cat([counts.float(), dropped, aux.detach().reshape(1),
                          z.detach().reshape(1), torch.ones(1, device=logits.device)])
