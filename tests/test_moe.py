@@ -140,3 +140,48 @@ def test_bad_moe_settings_are_one_config_error(moe, extra, field):
     with pytest.raises(ConfigError) as e:
         build_config({"model": {**extra, "moe": moe}})
     assert field in str(e.value) and "\n" not in str(e.value).strip()
+
+
+@pytest.mark.parametrize("experts,top_k", [(4, 2), (8, 1)])
+def test_activation_model_counts_moe_saved_tensors(experts, top_k):
+    """memory/activations.py's MoE block against the bytes autograd really saves."""
+    from test_memory_model import _saved_bytes
+
+    from zerotrain.memory.activations import activation_parts
+
+    c = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                    intermediate_size=32, block_size=32, vocab_size=256,
+                    moe={"experts": experts, "top_k": top_k})
+    dense = c.model_copy(update={"moe": None})
+    torch.manual_seed(0)
+    b, s = 3, 32
+    idx, tgt = torch.randint(0, 256, (2, b, s))
+    got = _saved_bytes(build_model(c).train(), idx, tgt)
+    got_dense = _saved_bytes(build_model(dense).train(), idx, tgt)
+    want = activation_parts(c, b, s, act_bytes=4).saved
+    want_dense = activation_parts(dense, b, s, act_bytes=4).saved
+    # the MoE's blocks save more than the dense ones, and the model says how much
+    extra, want_extra = sum(got.values()) - sum(got_dense.values()), want - want_dense
+    assert extra > 0 and want_extra == pytest.approx(extra, rel=0.03)
+
+
+def test_estimate_knows_total_and_active(tmp_path, capsys):
+    from zerotrain.cli.estimate import main_estimate
+    from zerotrain.models import active_param_count
+
+    (tmp_path / "m.yaml").write_text("model: {preset: llama-moe-tiny}\n")
+    assert main_estimate(["--model", str(tmp_path / "m.yaml"), "--gpus", "2"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "Ψ = 2,626,688 params (857,216 active per token" in head
+    # a model.hf MoE by its config.json: top_k of E experts' tensors count
+    torch.manual_seed(0)
+    conf = transformers.Qwen3MoeConfig(vocab_size=80, hidden_size=32, intermediate_size=48,
+                                       moe_intermediate_size=16, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       num_experts=4, num_experts_per_tok=2, head_dim=8)
+    m = transformers.Qwen3MoeForCausalLM(conf)
+    m.save_pretrained(tmp_path / "q")
+    experts = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in m.parameters())
+    cfg = ModelConfig(hf=str(tmp_path / "q"), block_size=24)
+    assert active_param_count(cfg) == total - experts // 2

@@ -147,6 +147,15 @@ def take_stats(model: nn.Module) -> Tensor | None:
     return out
 
 
+def active_numel(model: nn.Module, experts: int, top_k: int) -> int:
+    """Parameters one token uses: an experts module's tensors ([E, ...]) count top_k/E."""
+    total = 0
+    for name, p in model.named_parameters():
+        fused = ".experts." in f".{name}" and p.ndim >= 1 and p.shape[0] == experts
+        total += p.numel() * top_k // experts if fused else p.numel()
+    return total
+
+
 def stats_record(stats: Tensor) -> dict:
     """The logged `moe` record of summed [layers, E + 4] statistics (over ranks too):
     tokens per expert per layer, dropped pairs, the mean losses, and the imbalance

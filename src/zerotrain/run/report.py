@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from zerotrain.config import Config
 from zerotrain.memory import config_activations
+from zerotrain.models import active_param_count
 from zerotrain.optim.schedule import lr_from_config
 from zerotrain.run.curves import Series, curve_series, plot_curves
 from zerotrain.run.trackers import make_trackers
@@ -95,8 +96,10 @@ class Reporter:
         self.record({"type": "memory", "step": eng.global_step, **mem})
         ms = mem["model_states"]
         n_params = sum(p.numel() for p in eng.module.parameters())
+        active = active_param_count(self.cfg.model) if self.enabled else n_params
+        moe = f" ({active:,} active per token)" if active != n_params else ""
         self.say(f"[zerotrain] {world} rank(s), {eng.strategy.name}, "
-                 f"{n_params:,} params, {eng.policy.describe()}")
+                 f"{n_params:,} params{moe}, {eng.policy.describe()}")
         held = ", ".join(f"{place} {k}={v:,}" for place in ("device", "host")
                          for k, v in ms[place].items() if v)
         self.say("[zerotrain] model states on rank 0 (bytes): "
