@@ -146,7 +146,6 @@ def test_bad_moe_settings_are_one_config_error(moe, extra, field):
 def test_activation_model_counts_moe_saved_tensors(experts, top_k):
     """memory/activations.py's MoE block against the bytes autograd really saves."""
     from test_memory_model import _saved_bytes
-
     from zerotrain.memory.activations import activation_parts
 
     c = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64,

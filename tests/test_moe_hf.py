@@ -103,3 +103,20 @@ def test_hf_moe_export_round_trips_through_transformers(tmp_path, kind):
     assert type(back) is type(ref)
     assert torch.equal(back(input_ids=IDX).logits, model.eval()(IDX))
     assert json.loads((out / "config.json").read_text())["model_type"] == kind
+
+
+def test_hf_moe_adds_its_balancing_loss_when_its_config_asks(tmp_path):
+    """output_router_logits in config.json: training adds router_aux_loss_coef times
+    transformers' own aux_loss; evaluation reports the LM loss alone."""
+    folder, ref = moe_folder(tmp_path, "qwen3_moe")
+    conf = json.loads((folder / "config.json").read_text())
+    conf.update(output_router_logits=True, router_aux_loss_coef=0.5)
+    (folder / "config.json").write_text(json.dumps(conf))
+    cfg = ModelConfig(hf=str(folder), block_size=24)
+    model = build_model(cfg)
+    pretrained_weights(cfg, model).load_into(model)
+    tgt = torch.roll(IDX, -1, 1)
+    train, plain = model.train()(IDX, tgt).item(), model.eval()(IDX, tgt).item()
+    ref.config.output_router_logits = True
+    aux = ref(input_ids=IDX).aux_loss.item()
+    assert aux > 0 and abs(train - plain - 0.5 * aux) < 1e-6
