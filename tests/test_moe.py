@@ -135,10 +135,12 @@ def test_preset_counts_total_and_active():
     ({"experts": 4}, {"arch": "gpt"}, "model.moe"),
     ({"experts": 4}, {"hf": "/some/folder"}, "model.moe"),
     ({"experts": 4}, {"arch": "llama", "bias": True}, "model.bias"),
+    ({"experts": 4}, {"arch": "llama", "optimizer": "muon"}, "optimizer.name muon"),
 ])
 def test_bad_moe_settings_are_one_config_error(moe, extra, field):
+    opt = {"optimizer": {"name": extra.pop("optimizer")}} if "optimizer" in extra else {}
     with pytest.raises(ConfigError) as e:
-        build_config({"model": {**extra, "moe": moe}})
+        build_config({"model": {**extra, "moe": moe}, **opt})
     assert field in str(e.value) and "\n" not in str(e.value).strip()
 
 
