@@ -94,6 +94,10 @@ class Config(_Section):
                     f"after train.steps ({self.train.steps}): the run would stop before "
                     "reaching schedule.min_lr; shorten decay_steps or leave it null")
         m = self.model
+        if m.moe is not None and self.optimizer.name == "muon":
+            raise ValueError("optimizer.name muon with model.moe: Muon would orthogonalise a "
+                             "layer's fused experts [E, 2I, d] as one matrix, not expert by "
+                             "expert; use optimizer.name adamw")
         # block_size only when given: library mode's batches need not follow the default
         # (their length is checked per batch); the CLI checks it at launch too
         check_sequence_parallel(self.sequence.parallel, n_head=m.n_head or None,

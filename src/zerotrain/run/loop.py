@@ -20,6 +20,7 @@ from zerotrain.config import Config
 from zerotrain.data.sampler import to_device
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte
 from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
+from zerotrain.models.moe import stats_record, take_stats
 from zerotrain.models.sampling import generate
 from zerotrain.run.fit import diagnose
 from zerotrain.run.lifecycle import Interrupted, Preemption, maybe_inject_fault
@@ -78,7 +79,10 @@ def _log_step(run: Run, sinfo: StepInfo, loss: torch.Tensor, dt: float) -> float
     """Log a step (rank 0 writes); the loss averaged over ranks, which every rank gets."""
     loss_avg = float(run.engine.comm.all_reduce_scalars(loss.reshape(1))[0]) \
         / run.dist.world_size
-    run.report.log_step(run.engine, sinfo, loss_avg, run.global_tokens / dt, dt)
+    stats = take_stats(run.engine.module)  # MoE routers: same layers on every rank
+    moe = stats_record(run.engine.comm.all_reduce_scalars(stats.flatten()).view(stats.shape)) \
+        if stats is not None else None
+    run.report.log_step(run.engine, sinfo, loss_avg, run.global_tokens / dt, dt, moe)
     return loss_avg
 
 
