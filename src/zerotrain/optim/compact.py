@@ -30,42 +30,15 @@ import torch
 from torch import Tensor
 
 from zerotrain.numerics import blockquant as Q
+from zerotrain.numerics.compact import FP32, Compact
 from zerotrain.optim.batching import block_elements
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
-MASTER_UPDATES = ("none", "plain", "kahan", "stochastic")
 #: how each state is quantised: signed (momenta) or as √ of a non-negative (2nd moments)
 SQRT_STATES = ("exp_avg_sq",)
 COMP = "master_comp"
 Q8, SCALE = "~q8", "~scale"
 
 
-@dataclass(frozen=True)
-class Compact:
-    """How an optimizer stores its states and updates bf16 weights."""
-
-    state_dtype: str = "fp32"
-    master_update: str = "none"  # none: the weights it updates are fp32
-
-    def __post_init__(self) -> None:
-        if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(
-                f"optimizer.state_dtype must be one of {', '.join(STATE_DTYPES)}, "
-                f"got {self.state_dtype!r}"
-            )
-        if self.master_update not in MASTER_UPDATES:
-            raise ValueError(
-                f"precision.master_update must be one of kahan, stochastic, "
-                f"plain, got {self.master_update!r}"
-            )
-
-    @property
-    def active(self) -> bool:
-        """Whether the update goes through `run` (else: the plain fp32 rules)."""
-        return self.state_dtype != "fp32" or self.master_update in ("kahan", "stochastic")
-
-
-FP32 = Compact()
 
 
 # ----------------------------------------------------------------------------- states
@@ -272,7 +245,20 @@ class CompactStates:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then each state brought into this optimizer's `compact` form
         (a checkpoint saved with another optimizer.state_dtype)."""
+        saved = state_dict.get("state", {})
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        # torch casts every floating state to its parameter's dtype: undo that where the
+        # saved dtype is the state's form (scales stay fp32; a bf16 or fp32 moment is
+        # converted below, saying so)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, st in saved.items():
+            p = params[int(idx)] if isinstance(idx, int) or str(idx).isdigit() else None
+            if p is None or p not in self.state:
+                continue
+            for k, v in st.items():
+                keep = k.endswith(SCALE) or k == COMP or self.compact.active
+                if keep and isinstance(v, Tensor) and v.is_floating_point() and k != "step":
+                    self.state[p][k] = v.to(p.device)
         done: dict[str, int] = {}
         for group in self.param_groups:
             for p in group["params"]:
