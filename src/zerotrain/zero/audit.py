@@ -33,7 +33,7 @@ def tensors_by_category(units: Sequence[Any], grads_sharded: bool, offload: bool
     out += [("master", host, u.master) for u in units]
     for st in optimizer_state:  # Kahan's compensation (bf16 masters) is the master's
         out += [("master" if k == "master_comp" else "optimizer", host, t)
-                for k, t in st.items() if isinstance(t, Tensor) and t.numel() > 1]
+                for k, t in st.items() if isinstance(t, Tensor) and t.dim() > 0]
     return out
 
 
