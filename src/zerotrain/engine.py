@@ -82,7 +82,7 @@ class Engine(DeepSpeedAPI):
         return_freed_blocks(mmap_threshold(config.train.host_mmap_mb, config.sequence))
         self.phases = PhasePeaks(self.device)  # peaks of init, forward, backward, step, save
         self.phases.begin()
-        self.policy = PrecisionPolicy.from_config(config.precision)
+        self.policy = PrecisionPolicy.from_config(config.precision, config.optimizer)
         apply_tf32(config.precision.tf32, device, config.precision.dtype)
         self.comm = Comm(config.comm.algorithm,
                          ring_min_bytes=int(config.comm.ring_min_mb * 2**20),
@@ -93,7 +93,7 @@ class Engine(DeepSpeedAPI):
         self.module = model
         self._lay_out(model, plan, weights)
         groups = self.strategy.param_groups(self.group_options())
-        self.optimizer = build_optimizer(config.optimizer, groups,
+        self.optimizer = build_optimizer(config.optimizer, groups, self.policy.compact,
                                          agree=self._agree if self.world_size > 1 else None)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps

@@ -302,7 +302,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
         why = f"restart {restart_count()}" if restart_count() else "--resume auto"
         lines.append(f"[zerotrain] {why}: no complete checkpoint in {checkpoint_root(cfg)}; "
                      "starting a new run from step 0")
-    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines]:
+    note = cfg.optimizer.state_note()
+    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines, *([note] * bool(note))]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
               report, src is not None, data.tokenizer)
@@ -335,6 +336,7 @@ def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
     if info.optimizer_reset:
         lines.append(f"[zerotrain] optimizer state reset ({info.meta.get('optimizer')} -> "
                      f"{cfg.optimizer.name}): weights, counters and loss scale were kept")
+    lines += info.notes
     if info.changes:
         lines.append("[zerotrain] warning: settings differ from the checkpoint's, this run's "
                      "config wins: " + "; ".join(info.changes))

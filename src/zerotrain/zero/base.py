@@ -271,8 +271,12 @@ class Strategy(StrategyState):
             u = self.units[seg.unit]
             if u.index not in grads:
                 g = self.owned_grad(u)
-                grads[u.index] = g.to(view.dtype) if g.dtype != view.dtype else g
+                # a compact update reads any dtype (and fp32 grads beat bf16 ones there)
+                cast = g.dtype != view.dtype and not self.policy.compact.active
+                grads[u.index] = g.to(view.dtype) if cast else g
             lo = self.opt_range(u)[0]
+            if grads[u.index].dtype != view.dtype:
+                view.grad_dtype = None  # torch ≥ 2.10: a gradient of another dtype
             view.grad = grads[u.index][seg.start - lo:seg.end - lo].view(view.shape)
 
     def detach_grads(self) -> None:
