@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sections beside 
 from gpu_check_core import (
     BUDGET,
     CAPS,
+    DRY_BUDGET,
     DRY_CAPS,
     NEEDS_TWO,
     ONE_GPU,
@@ -101,9 +102,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT") or os.environ.get("OUT")
                    or str(ROOT / "bench" / "results" / "gpu_check"))
     p.add_argument("--work", help="scratch folder (default: a new one under /tmp)")
-    p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET",
-                                                                        BUDGET)),
-                   help=f"seconds for all sections (default {BUDGET:.0f})")
+    p.add_argument("--budget", type=float, default=os.environ.get("GPU_CHECK_BUDGET"),
+                   help=f"seconds for all sections (default {BUDGET:.0f}; with --dry-run "
+                   f"{DRY_BUDGET:.0f}: 2 shared cores can be slow)")
     p.add_argument("--sections", nargs="*", default=ONE_GPU, choices=ORDER,
                    help="default: the one-GPU call (" + " ".join(ONE_GPU) + ")")
     p.add_argument("--wheels", help="a folder of wheels for what the machine lacks (offline)")
@@ -112,7 +113,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="perf: sequences per rank")
     p.add_argument("--init-ranks", type=int, default=8, help="init_mem: processes on the GPU")
     p.add_argument("--pretend-missing", nargs="*", default=[], help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.budget = float(args.budget or (DRY_BUDGET if args.dry_run else BUDGET))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

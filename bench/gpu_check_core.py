@@ -41,6 +41,7 @@ def fit_caps(caps: dict[str, float], sections: list[str], budget: float) -> dict
     scale = min(1.0, budget / total) if total else 1.0
     return {s: (caps[s] * scale if s in run else 0.0) for s in caps}
 DRY_CAPS = {k: 150.0 for k in CAPS}  # generous: 2 shared cores can be slow
+DRY_BUDGET = 1800.0  # the dry run tests the script: every section it is asked for runs
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT"}
 STATUSES = ("PASS", "FAIL", "TIMEOUT", "REPRODUCED", "FIXED", "SKIP", "INFO", "UNTESTED")
