@@ -91,6 +91,8 @@ def test_the_one_gpu_call_fits_its_budget():
     gc = _driver()
     args = gc.parse([])
     assert args.sections == gc.ONE_GPU and args.budget == gc.BUDGET
+    # the dry run (the script's test on slow shared cores): every section's cap fits
+    assert gc.parse(["--dry-run"]).budget == gc.DRY_BUDGET >= sum(gc.DRY_CAPS.values())
     assert sum(gc.CAPS[s] for s in gc.ONE_GPU) == gc.BUDGET == 450
     assert gc.fit_caps(gc.CAPS, gc.ONE_GPU, gc.BUDGET) == {
         s: (gc.CAPS[s] if s in gc.ONE_GPU else 0.0) for s in gc.CAPS}
