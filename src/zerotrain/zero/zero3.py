@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from zerotrain.config import ZeroConfig
+from zerotrain.config.zero_facts import STAGE_SHARDS
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import UnitSpec, blocks
@@ -57,7 +58,7 @@ def in_backward() -> bool:
 class ZeRO3(ZeRO2):
     name = "zero3"
     stage = 3
-    shards = frozenset({"params", "grads", "master", "optimizer"})
+    shards = STAGE_SHARDS[3]
     unit_class = ShardedUnit
     units: list[ShardedUnit]
 
