@@ -166,6 +166,8 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
         widest_param=widest, reduce_bytes=policy.reduce_dtype.itemsize, gather_bytes=gather,
         in_flight=cfg.zero.in_flight(device_type), prefetch=cfg.zero.prefetch,
         secondary_partition=(cfg.zero.secondary_partition or 0) if "params" in cls.shards else 0,
+        grad_wire_bits={"int8": 8, "int4": 4}.get(cfg.zero.grad_wire, 0)
+        if "params" in cls.shards else 0,
         high_water=cpu, lazy_grads=cpu,
         init_piece=widest if plan.init is not None else None,
         runtime=COMPILE_RUNTIME_BYTES if compiled else 0,
