@@ -14,7 +14,7 @@ from torch.distributed import ReduceOp
 
 from zerotrain.comm.dist import init_distributed as _init_distributed
 from zerotrain.comm.dist import launched_by_torchrun, local_rank
-from zerotrain.deepspeed import engine
+from zerotrain.deepspeed import opened
 
 __all__ = ["ReduceOp", "all_gather", "all_reduce", "barrier", "broadcast", "get_local_rank",
            "get_rank", "get_world_size", "init_distributed", "is_initialized"]
@@ -40,7 +40,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
         die_with_parent()
     seconds = int(timeout.total_seconds()) if timeout is not None else 1800
-    engine.OPENED_GROUP = _init_distributed("auto", dist_backend or "auto", seconds).owns_group
+    opened.OPENED_GROUP = _init_distributed("auto", dist_backend or "auto", seconds).owns_group
 
 
 def is_initialized() -> bool:

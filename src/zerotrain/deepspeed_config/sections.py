@@ -153,8 +153,37 @@ def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
         for key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
             if r.raw(f"{z}.{key}", None) is not None:
                 r.notes.append(f"{z}.{key}: ignored below stage 3 (as DeepSpeed does)")
+    zero_plus_plus(r, stage, zero)
     offload(r, stage, zero)
+    if stage == 1 and zero.get("offload_optimizer") == "cpu":
+        zero["stage"] = 2
+        r.notes.append(f"{z}.stage=1 with offload_optimizer cpu: run as zerotrain's ZeRO-2 + "
+                       "Offload (DeepSpeed's ZeRO-1 and -2 are one optimizer; with Offload "
+                       "both update this rank's shard on the host from the averaged "
+                       "gradients: the same updates)")
     out["zero"] = zero
+
+
+def zero_plus_plus(r: Reader, stage: int, zero: dict[str, Any]) -> None:
+    """ZeRO++'s three keys onto zerotrain's three options (ZeRO-3 only, as DeepSpeed's):
+    hpZ's group size, qwZ's int8 weights, qgZ's gradients (int4 across nodes, as the
+    ZeRO++ paper quantises them)."""
+    z = "zero_optimization"
+    hpz = r.get(f"{z}.zero_hpz_partition_size", 1, int)
+    qw = r.get(f"{z}.zero_quantized_weights", False, bool)
+    qg = r.get(f"{z}.zero_quantized_gradients", False, bool)
+    for key, on in (("zero_hpz_partition_size", hpz > 1), ("zero_quantized_weights", qw),
+                    ("zero_quantized_gradients", qg)):
+        if on and stage != 3:
+            r.problem(f"{z}.{key}", "is a ZeRO-3 option (ZeRO++); set zero_optimization.stage 3")
+    if stage != 3:
+        return
+    if hpz > 1:
+        zero["secondary_partition"] = hpz
+    if qw:
+        zero["param_wire"] = "int8"
+    if qg:
+        zero["grad_wire"] = "int4"
 
 
 def monitors(r: Reader, out: dict[str, Any]) -> None:
@@ -170,7 +199,9 @@ def monitors(r: Reader, out: dict[str, Any]) -> None:
              (("project", "project"), ("entity", "team"), ("group", "group"))}
     if any(v is not None for v in wandb.values()):
         logging["wandb"] = {k: v for k, v in wandb.items() if v is not None}
-    if "steps_per_print" in r.data:
+    if r.data.get("steps_per_print") == float("inf"):  # Accelerate's "never print"
+        r.get("steps_per_print", 10, float)
+    elif "steps_per_print" in r.data:
         logging["log_every"] = r.get("steps_per_print", 10, int, auto="logging.log_every")
     if logging:
         out["logging"] = logging

@@ -58,6 +58,7 @@ phases repeat with every term present.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from zerotrain.memory.shape import RunShape
@@ -136,7 +137,7 @@ def phase_estimates(shape: RunShape, activations: int = 0) -> dict[str, int]:
     held = states + pool + sh.runtime + tiers["io"]  # from the first backward/step on
     shard = sum(shard_numel(n, world) for n in numels)
     if not sh.shards:  # a rank writes only its shard of the replicated state (write_range)
-        saved = (bpp.optimizer + (bpp.master or bpp.params)) * shard
+        saved = math.ceil((bpp.optimizer + (bpp.master or bpp.params) + bpp.comp) * shard)
     else:
         saved = est.host["master"] + est.device["master"] + optimizer
         if bpp.master == 0 and sh.tier("params") == sh.tier("optimizer") != "disk":

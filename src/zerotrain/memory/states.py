@@ -8,6 +8,7 @@ partitioned over N ranks is padded to N·ceil(P/N), and each rank owns
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -89,8 +90,8 @@ class BytesPerParam:
     params: int
     grads: int
     master: int
-    optimizer: int
-
+    optimizer: float  # int8 states: 1 + 4/256 per state (block scales), so fractional
+    comp: int = 0  # bf16 masters with Kahan: the compensation (2), counted as master
 
 def precision_bytes(precision: str, grad_dtype: str = "compute") -> tuple[int, int, int]:
     """(param, grad, master) bytes: fp32 params are their own master; mixed keeps a fp32 one."""
@@ -206,10 +207,11 @@ def state_bytes(buffer_numels: Sequence[int], world_size: int, shards: frozenset
            "optimizer": bpp.optimizer}
     est = MemoryEstimate(padding_elems=padding if shards else 0)
     for f in FIELDS:
-        est.device[f] = per[f] * (shard if f in shards else rep)
+        est.device[f] = math.ceil(per[f] * (shard if f in shards else rep))
     if bpp.master == 0 and tier_of("params", offloads, disk) != tier_of("optimizer", offloads,
                                                                           disk):
         est.device["master"] = bpp.params * shard
+    est.device["master"] += bpp.comp * (shard if "master" in shards else rep)
     for f in sorted(offloads):
         where = est.disk if f in disk else est.host
         where[f], est.device[f] = est.device[f], 0

@@ -40,6 +40,7 @@ from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import foreach
 from zerotrain.zero.cut import UnitSpec, buckets
 from zerotrain.zero.flat import NamedParams, Segment
+from zerotrain.zero.grad_wire import PlainGradWire
 from zerotrain.zero.grads import FullGrads
 from zerotrain.zero.partition import Partition
 from zerotrain.zero.placement import Kind, OnDevice, Placement
@@ -59,10 +60,11 @@ class Strategy(StrategyState):
     def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, part: Partition,
                  cfg: ZeroConfig, device: torch.device, units: list[Unit], grads: FullGrads,
                  *, updater: type[Updater] = Elementwise, wire: PlainWire | None = None,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, grad_wire: PlainGradWire | None = None):
         """Finished `units` and their gradient store `grads` (zero/build.py makes both),
         and the parts `zero.build_strategy` chose: `updater`, how the optimizer meets the
-        master weights; `wire`, how gathered parameters travel (ZeRO-3); `placement`,
+        master weights; `wire`, how gathered parameters travel (ZeRO-3); `grad_wire`, how
+        the gradient reduce-scatter travels (ZeRO++'s qgZ, zero/grad_wire.py); `placement`,
         where gradients, masters and optimizer states live (the one that made `grads`)."""
         assert part.comm is not None, "a strategy talks to its partition's ranks"
         self.placement = placement or OnDevice(device)
@@ -71,6 +73,7 @@ class Strategy(StrategyState):
         self.part, self.comm = part, part.comm
         self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
         self.wire = wire or PlainWire()
+        self.grad_wire = grad_wire or PlainGradWire()
         self.device = device
         self.host = grads.host
         self.rank, self.world = part.rank, part.world
@@ -270,8 +273,12 @@ class Strategy(StrategyState):
             u = self.units[seg.unit]
             if u.index not in grads:
                 g = self.owned_grad(u)
-                grads[u.index] = g.to(view.dtype) if g.dtype != view.dtype else g
+                # a compact update reads any dtype (and fp32 grads beat bf16 ones there)
+                cast = g.dtype != view.dtype and not self.policy.compact.active
+                grads[u.index] = g.to(view.dtype) if cast else g
             lo = self.opt_range(u)[0]
+            if grads[u.index].dtype != view.dtype:
+                view.grad_dtype = None  # torch ≥ 2.10: a gradient of another dtype
             view.grad = grads[u.index][seg.start - lo:seg.end - lo].view(view.shape)
 
     def detach_grads(self) -> None:

@@ -147,7 +147,9 @@ def refresh_all(units: list, comm: Comm) -> None:
     zero = torch.zeros((), device=dev)
     flat = torch.stack([next((a[n] for a in local if n in a), zero)
                         for n in names]) if names else torch.zeros(0, device=dev)
-    glob = comm.all_reduce_scalars(flat.double(), op="max").float()
+    # back on the shards' device once: each piece's scale would otherwise copy its own
+    # 0-d amax host to device (pageable: a stream sync per FP8 piece per step)
+    glob = comm.all_reduce_scalars(flat.double(), op="max").float().to(dev)
     amax = dict(zip(names, glob))
     for u in wired:
         if u.wire.lazy:  # its shard is in a tier: packed at the gather (`ready`)

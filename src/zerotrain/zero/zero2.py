@@ -28,4 +28,4 @@ class ZeRO2(ZeRO1):
     def reduce_grads(self, u: Unit) -> None:
         bucket = self.grads.target(u)
         out, done = self.grads.landing(u)
-        self.enqueue(self.comm.grads.reduce_scatter(out, bucket, async_op=True), done)
+        self.enqueue(self.grad_wire.reduce_scatter(self.comm.grads, out, bucket), done)

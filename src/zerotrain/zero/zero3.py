@@ -41,6 +41,7 @@ from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams, gather_range
+from zerotrain.zero.hpz import SecondaryPartition
 from zerotrain.zero.infinity import Streamed, Tiers
 from zerotrain.zero.lazy import Lazy, from_tier
 from zerotrain.zero.tier import Tier
@@ -76,6 +77,8 @@ class ZeRO3(ZeRO2):
             assert u.module is not None
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
+        k = self.cfg.secondary_partition
+        self.hpz = SecondaryPartition(self.comm, k) if k else None
         self.wire.attach(self.units, self.policy.param_dtype.itemsize)
         self._wire_in_tier()
         self.after_publish()  # the wire packs the first gathers' bytes
@@ -87,9 +90,15 @@ class ZeRO3(ZeRO2):
         """The plan's blocks, plus a root unit for everything else."""
         return blocks(model, plan, named)
 
-    def prefetch(self, u: ShardedUnit | None) -> None:
+    def prefetch(self, u: ShardedUnit | None, forward: bool = True) -> None:
         if u is not None and self.cfg.prefetch and not self.param_tier.moves:
-            u.unshard(self.comm, async_op=True)
+            self._unshard(u, forward, async_op=True)
+
+    def _unshard(self, u: ShardedUnit, forward: bool, async_op: bool) -> None:
+        """Start `u`'s gather: for the backward from hpZ's node-local copy when it has
+        one, otherwise across every rank through the wire."""
+        via = self.hpz.via(u) if self.hpz is not None and not forward else None
+        u.unshard(self.comm, async_op=async_op, via=via)
 
     def gather(self, u: ShardedUnit, forward: bool) -> None:
         """Gather `u` now (its shard made ready from the tier first, released after),
@@ -98,7 +107,7 @@ class ZeRO3(ZeRO2):
         self.param_tier.ready(u)
         if u.wire is not None:
             u.wire.ready(u.shard)
-        u.unshard(self.comm, async_op=False)
+        self._unshard(u, forward, async_op=False)
         u.wait_unshard()
         self.param_tier.release(u)
         nxt = self._neighbour(u, forward)
@@ -108,7 +117,7 @@ class ZeRO3(ZeRO2):
                 break
             self.param_tier.fetch(ahead)
             ahead = self._neighbour(ahead, forward)
-        self.prefetch(nxt)
+        self.prefetch(nxt, forward)
 
     def _wire_in_tier(self) -> None:
         """FP8 gather with shards in a tier: each wire packs at its gather, from amaxes
@@ -155,6 +164,8 @@ class ZeRO3(ZeRO2):
     def _post_forward(self, u: ShardedUnit, module: nn.Module, args, output):
         if in_backward():
             return output
+        if self.hpz is not None:
+            self.hpz.keep(u)
         u.reshard()
         self._record(self._finished, u)
         if u is self._root:  # drop prefetches the forward never consumed
@@ -176,8 +187,12 @@ class ZeRO3(ZeRO2):
     def reduce_grads(self, u: ShardedUnit) -> None:
         super().reduce_grads(u)
         u.reshard()
+        if self.hpz is not None:
+            self.hpz.drop(u)
 
     def after_backward(self) -> None:
+        if self.hpz is not None:
+            self.hpz.clear()
         for u in self.units:
             u.reshard()
             u.gathered_for_backward = False
