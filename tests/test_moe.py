@@ -205,3 +205,15 @@ def test_meta_built_moe_initialises_by_name_like_eager():
         assert torch.equal(t, p), name
     down = eager.blocks[0].mlp.experts.down
     assert abs(down.std().item() - 0.02 / math.sqrt(2 * 2)) < 0.002
+
+
+def test_moe_keys_are_checked_and_placed():
+    """Unknown keys inside model.moe get the usual hint; `moe.` at the top is pointed to
+    `model.moe` (the issue's own example wrote `--moe.expert_parallel`)."""
+    from zerotrain.config import parse_overrides
+
+    with pytest.raises(ConfigError, match=r"'model\.moe\.expertz' — did you mean "
+                                          r"'model\.moe\.experts'"):
+        build_config(parse_overrides(["--model.arch", "llama", "--model.moe.expertz", "2"]))
+    with pytest.raises(ConfigError, match=r"unknown config key 'moe'.*'model\.moe'"):
+        build_config(parse_overrides(["--moe.expert_parallel", "2"]))
