@@ -34,10 +34,17 @@ FACTORS: dict[str, tuple] = {
 
 #: the setting each factor stands for: a refusal must name both of its pair's settings
 SETTING = {
-    "stage": "zero.stage", "offload": "zero.offload_optimizer", "tier": "zero.offload_param",
-    "fp8": "precision.fp8", "wire": "", "ckpt": "model.activation_checkpointing",
-    "tiles": "sequence.tile_tokens", "sp": "sequence.parallel",
-    "docmask": "data.document_mask", "labels": "", "optim": "optimizer.name",
+    "stage": "zero.stage",
+    "offload": "zero.offload_optimizer",
+    "tier": "zero.offload_param",
+    "fp8": "precision.fp8",
+    "wire": "",
+    "ckpt": "model.activation_checkpointing",
+    "tiles": "sequence.tile_tokens",
+    "sp": "sequence.parallel",
+    "docmask": "data.document_mask",
+    "labels": "",
+    "optim": "optimizer.name",
     "accum": "data.grad_accum_steps",
 }
 WIRE_SETTING = {"fp8": "precision.fp8.all_gather", "int8": "zero.param_wire"}
@@ -49,14 +56,15 @@ def setting(factor: str, level) -> str:
 
 
 def _not_stage3(factor: str, plain) -> list[tuple]:
-    return [(("stage", s), (factor, v)) for s in (0, 1, 2)
-            for v in FACTORS[factor] if v != plain]
+    return [(("stage", s), (factor, v)) for s in (0, 1, 2) for v in FACTORS[factor] if v != plain]
 
 
 #: pairs the config refuses (each with why), in the form ((factor, level), (factor, level))
 REFUSED: dict[tuple, str] = {
-    **{p: "Offload moves the sharded gradients: stage 2 or 3" for p in
-       [(("stage", s), ("offload", "cpu")) for s in (0, 1)]},
+    **{
+        p: "Offload moves the sharded gradients: stage 2 or 3"
+        for p in [(("stage", s), ("offload", "cpu")) for s in (0, 1)]
+    },
     **{p: "only ZeRO-3 shards parameters" for p in _not_stage3("tier", "none")},
     **{p: "only ZeRO-3 gathers parameters" for p in _not_stage3("wire", "plain")},
     (("fp8", "off"), ("wire", "fp8")): "the FP8 wire carries the FP8 linears' weights",

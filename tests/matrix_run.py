@@ -14,7 +14,10 @@ Tolerances, per option present (the largest applies; `TOL`):
   tier, activation checkpointing — the same operations on the same values;
 - reduce (1e-5 loss, 1e-4 params, relative): ZeRO stages, Offload, SP, tiles and
   accumulation — the same sums in another order (2 ranks, fp32);
-- int8 wire (2e-2): ZeRO++ qwZ quantises every gathered parameter, a stated loss.
+- int8 wire (5e-3, on the loss only): ZeRO++ qwZ quantises every gathered parameter,
+  a stated loss;
+and each row also equals its *twin* exactly (`twin_row`: the FP8 wire, the tier and
+checkpointing reset), which pins the bit-identical options beside the others.
 With FP8 on, tiles, SP and accumulation change which values share an FP8 scale (the
 amax of a tile, a slice, a micro-batch), so those runs' reference keeps them and only
 the placement proper is reset.
@@ -34,8 +37,14 @@ EOS_AT = (4, 9)  # every row: the same documents, so every layout scores as many
 PROMPT = 3 * SEQ // 4  # masked labels: -100 over the first three quarters
 
 BASE = {
-    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": SEQ, "bias": False,
-              "vocab_size": VOCAB},
+    "model": {
+        "n_layer": 2,
+        "n_head": 2,
+        "n_embd": 32,
+        "block_size": SEQ,
+        "bias": False,
+        "vocab_size": VOCAB,
+    },
     "optimizer": {"lr": 1e-2, "grad_clip": 0.3},
     "schedule": {"kind": "constant", "warmup_steps": 0},
     "zero": {"bucket_mb": 0.02},
@@ -47,18 +56,24 @@ BASE = {
 PLACEMENT = {"stage": 0, "offload": "none", "tier": "none", "wire": "plain", "ckpt": False}
 LAYOUT = {"tiles": None, "sp": 1, "accum": 1}
 EXACT = ("wire", "tier", "ckpt")
-TOL = {"exact": 0.0, "reduce": 1e-4, "int8": 2e-2}
+TOL = {"exact": 0.0, "reduce": 1e-4, "int8": 5e-3}
 
 
 def overrides(row: dict, nvme_dir: str | None = None) -> dict:
     """The config sections a row sets."""
     sp, accum = row["sp"], row["accum"]
-    data = {"micro_batch_size": GLOBAL // (WORLD // sp) // accum, "grad_accum_steps": accum,
-            "document_mask": row["docmask"]}
+    data = {
+        "micro_batch_size": GLOBAL // (WORLD // sp) // accum,
+        "grad_accum_steps": accum,
+        "document_mask": row["docmask"],
+    }
     if row["docmask"]:
         data["eos_token_id"] = EOS
-    zero = {"stage": row["stage"], "offload_optimizer": row["offload"],
-            "offload_param": row["tier"]}
+    zero = {
+        "stage": row["stage"],
+        "offload_optimizer": row["offload"],
+        "offload_param": row["tier"],
+    }
     if row["tier"] == "nvme":
         zero["nvme_path"] = nvme_dir or tempfile.mkdtemp(prefix="zt-matrix-")
     fp8 = {"enabled": row["fp8"] != "off", "all_gather": row["wire"] == "fp8"}
@@ -66,10 +81,14 @@ def overrides(row: dict, nvme_dir: str | None = None) -> dict:
         fp8["recipe"] = row["fp8"]
     if row["wire"] == "int8":
         zero["param_wire"] = "int8"
-    return {"data": data, "zero": zero, "precision": {"fp8": fp8},
-            "model": {"activation_checkpointing": row["ckpt"]},
-            "sequence": {"tile_tokens": row["tiles"], "parallel": sp},
-            "optimizer": {"name": row["optim"]}}
+    return {
+        "data": data,
+        "zero": zero,
+        "precision": {"fp8": fp8},
+        "model": {"activation_checkpointing": row["ckpt"]},
+        "sequence": {"tile_tokens": row["tiles"], "parallel": sp},
+        "optimizer": {"name": row["optim"]},
+    }
 
 
 def config(row: dict, nvme_dir: str | None = None):
@@ -145,39 +164,74 @@ def memory_audit(eng, cfg, world: int, micro: int) -> str | None:
 
     act = config_activations(cfg, micro, SEQ, device="cpu").peak
     got = eng.memory_phases(activations=act)["predicted"]
-    want = predict_peaks(cfg, world, cfg.zero.stage, cfg.zero.offload_optimizer,
-                         device="cpu", micro_batch=micro, seq=SEQ,
-                         offload_param=cfg.zero.offload_param)
+    want = predict_peaks(
+        cfg,
+        world,
+        cfg.zero.stage,
+        cfg.zero.offload_optimizer,
+        device="cpu",
+        micro_batch=micro,
+        seq=SEQ,
+        offload_param=cfg.zero.offload_param,
+    )
     bad = {k: (v, want["phases"].get(k)) for k, v in got.items() if want["phases"].get(k) != v}
     if want["buffer_numels"] != eng.strategy.buffer_numels():
         bad["buffer_numels"] = (eng.strategy.buffer_numels(), want["buffer_numels"])
     return None if not bad else f"engine vs estimate: {bad}"
 
 
-def run_rows(rows: list[dict]) -> list[dict]:
-    """Every row and each distinct reference, on this process group (one set of ranks:
+def twin_row(row: dict) -> dict:
+    """`row` with the options that must not change a bit reset (the FP8 wire, the
+    parameter tier, activation checkpointing): its numbers must equal the row's exactly."""
+    return {
+        **row,
+        "tier": "none",
+        "ckpt": False,
+        "wire": "plain" if row["wire"] == "fp8" else row["wire"],
+    }
+
+
+def _train_or_error(row: dict, nvme: str) -> dict:
+    try:
+        return train_row(row, nvme)
+    except Exception as e:  # the matrix reports it; the caller fails the row
+        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
+
+
+def run_rows(rows: list[dict], twins: bool | str = True) -> list[dict]:
+    """Every row, each distinct reference and (twins True, or "fp8": only for rows with
+    the FP8 wire) each row's exact twin, on this process group (one set of ranks:
     spawning is the slow part). A row whose engine raises reports the error's line."""
-    refs: dict[tuple, dict] = {}
-    out = []
+    done: dict[tuple, dict] = {}
     nvme = tempfile.mkdtemp(prefix="zt-matrix-")  # one per rank: its own files
+
+    def get(r: dict) -> dict:
+        key = tuple(r.values())
+        if key not in done:
+            done[key] = _train_or_error(r, nvme)
+        return done[key]
+
+    out = []
     for row in rows:
-        ref = reference_row(row)
-        key = tuple(ref.values())
-        if key not in refs:
-            refs[key] = train_row(ref)
-        try:
-            res = refs[key] if ref == row else train_row(row, nvme)
-        except Exception as e:  # noqa: BLE001 - the matrix reports it, the caller fails
-            res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
-        out.append({"run": res, "ref": refs[key]})
+        res = {"ref": get(reference_row(row)), "run": get(row)}
+        twin = twin_row(row)
+        if twin != row and (twins is True or (twins == "fp8" and row["wire"] == "fp8")):
+            res["twin"] = get(twin)
+        out.append(res)
     return out
 
 
-def deviation(res: dict, ref: dict) -> float:
-    """Worst relative difference: per-step loss and grad norm, per-tensor parameters."""
+def deviation(res: dict, ref: dict, losses_only: bool = False) -> float:
+    """Worst relative difference: per-step loss and grad norm, per-tensor parameters
+    (`losses_only`: the loss alone — after a lossy wire, Adam's first steps, ±lr per
+    element whatever the gradient's size, turn small gradient noise into large
+    parameter differences)."""
     devs = [abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"], strict=True)]
-    devs += [abs(a - b) / max(abs(b), 1e-30)
-             for a, b in zip(res["norms"], ref["norms"], strict=True)]
+    if losses_only:
+        return max(devs)
+    devs += [
+        abs(a - b) / max(abs(b), 1e-30) for a, b in zip(res["norms"], ref["norms"], strict=True)
+    ]
     devs += [float((res["params"][k] - v).norm() / v.norm()) for k, v in ref["params"].items()]
     return max(devs) if all(d == d for d in devs) else float("inf")
 
@@ -189,3 +243,27 @@ def refusal(row: dict) -> str | None:
     except ConfigError as e:
         return str(e).strip()
     return None
+
+
+def judge(row: dict, result: dict) -> dict:
+    """One row's verdict: settings, reference, tolerance, deviation, twin, audit, ok."""
+    ref = reference_row(row)
+    kind, tol = tolerance(row)
+    out = {
+        "settings": row,
+        "reference": {f: v for f, v in ref.items() if v != row[f]},
+        "tolerance": kind,
+        "tol": tol,
+    }
+    run, base = result["run"], result["ref"]
+    err = run.get("error") or base.get("error") or result.get("twin", {}).get("error")
+    if err:
+        return {**out, "error": err, "ok": False}
+    dev = deviation(run, base, losses_only=kind == "int8")
+    finite = all(n == n and abs(n) != float("inf") for n in run["norms"])
+    ok = finite and dev <= tol and run["audit"] is None
+    if "twin" in result:
+        out["twin"] = {f: v for f, v in twin_row(row).items() if v != row[f]}
+        out["twin_deviation"] = deviation(run, result["twin"])
+        ok = ok and out["twin_deviation"] == 0.0
+    return {**out, "deviation": dev, "audit": run["audit"], "ok": ok}
