@@ -60,19 +60,21 @@ def _cell(v) -> str:
 
 
 def table(verdicts: list[dict]) -> str:
-    head = "| # | " + " | ".join(SHORT.values()) + " | reference | tol | max dev | ok |"
-    lines = [head, "|" + "---|" * (len(SHORT) + 5)]
+    head = "| # | " + " | ".join(SHORT.values()) + " | reference | tol | max dev | twin dev | ok |"
+    lines = [head, "|" + "---|" * (len(SHORT) + 6)]
     for i, v in enumerate(verdicts):
         s = v["settings"]
         ref = ", ".join(f"{SHORT[f]} {_cell(x)}" for f, x in v["reference"].items()) or "itself"
         dev = v.get("error") or f"{v['deviation']:.2g}"
         if v.get("audit"):
             dev += " (audit: " + v["audit"] + ")"
-        lines.append(
-            f"| {i} | "
-            + " | ".join(_cell(s[f]) for f in SHORT)
-            + f" | {ref} | {v['tolerance']} | {dev} | {'yes' if v['ok'] else 'NO'} |"
-        )
+        twin = "-"
+        if "twin_deviation" in v:
+            what = ", ".join(f"{SHORT[f]} {_cell(x)}" for f, x in v["twin"].items())
+            twin = f"{v['twin_deviation']:.2g} ({what})"
+        cells = " | ".join(_cell(s[f]) for f in SHORT)
+        ok = "yes" if v["ok"] else "NO"
+        lines.append(f"| {i} | {cells} | {ref} | {v['tolerance']} | {dev} | {twin} | {ok} |")
     return "\n".join(lines)
 
 

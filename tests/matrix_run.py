@@ -17,7 +17,8 @@ Tolerances, per option present (the largest applies; `TOL`):
 - int8 wire (5e-3, on the loss only): ZeRO++ qwZ quantises every gathered parameter,
   a stated loss;
 and each row also equals its *twin* exactly (`twin_row`: the FP8 wire, the tier and
-checkpointing reset), which pins the bit-identical options beside the others.
+checkpointing reset), which pins the bit-identical options beside the others — except
+the FP8 wire under the rowwise and delayed recipes, within 1e-6 (`twin_tolerance`).
 With FP8 on, tiles, SP and accumulation change which values share an FP8 scale (the
 amax of a tile, a slice, a micro-batch), so those runs' reference keeps them and only
 the placement proper is reset.
@@ -56,7 +57,7 @@ BASE = {
 PLACEMENT = {"stage": 0, "offload": "none", "tier": "none", "wire": "plain", "ckpt": False}
 LAYOUT = {"tiles": None, "sp": 1, "accum": 1}
 EXACT = ("wire", "tier", "ckpt")
-TOL = {"exact": 0.0, "reduce": 1e-4, "int8": 5e-3}
+TOL = {"exact": 0.0, "reduce": 1e-4, "int8": 5e-3, "fp8_wire": 1e-6}
 
 
 def overrides(row: dict, nvme_dir: str | None = None) -> dict:
@@ -191,6 +192,17 @@ def twin_row(row: dict) -> dict:
     }
 
 
+def twin_tolerance(row: dict) -> float:
+    """0 (bit-identical), except the FP8 wire under the rowwise and delayed recipes.
+    The wire sends each weight with one current scale; the layer re-quantises that copy.
+    Under tensorwise it picks the wire's own power-of-two scale and loses nothing. Under
+    rowwise it picks a scale per row from the copy's row amax, and under delayed it
+    records the copy's amax in its history — each a rounded amax, which can cross a
+    power of two where the original's does not, and move E4M3/E5M2 underflow by an ulp
+    (measured: ≤ 5e-8 relative after 3 steps, in the embeddings' gradients)."""
+    return TOL["fp8_wire"] if row["wire"] == "fp8" and row["fp8"] != "tensorwise" else 0.0
+
+
 def _train_or_error(row: dict, nvme: str) -> dict:
     try:
         return train_row(row, nvme)
@@ -265,5 +277,6 @@ def judge(row: dict, result: dict) -> dict:
     if "twin" in result:
         out["twin"] = {f: v for f, v in twin_row(row).items() if v != row[f]}
         out["twin_deviation"] = deviation(run, result["twin"])
-        ok = ok and out["twin_deviation"] == 0.0
+        out["twin_tol"] = twin_tolerance(row)
+        ok = ok and out["twin_deviation"] <= out["twin_tol"]
     return {**out, "deviation": dev, "audit": run["audit"], "ok": ok}

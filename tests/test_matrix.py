@@ -8,9 +8,10 @@ refused pair refused at config time in one line naming both settings.
 
 from __future__ import annotations
 
+import pytest
+
 import matrix_plan as mp
 import matrix_run as mr
-import pytest
 
 from multirank import run_ranks
 
