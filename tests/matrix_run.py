@@ -60,11 +60,11 @@ EXACT = ("wire", "tier", "ckpt")
 TOL = {"exact": 0.0, "reduce": 1e-4, "int8": 5e-3, "fp8_wire": 1e-6}
 
 
-def overrides(row: dict, nvme_dir: str | None = None) -> dict:
-    """The config sections a row sets."""
+def overrides(row: dict, nvme_dir: str | None = None, world: int = WORLD) -> dict:
+    """The config sections a row sets (on `world` ranks: the same global batch)."""
     sp, accum = row["sp"], row["accum"]
     data = {
-        "micro_batch_size": GLOBAL // (WORLD // sp) // accum,
+        "micro_batch_size": GLOBAL // (world // sp) // accum,
         "grad_accum_steps": accum,
         "document_mask": row["docmask"],
     }
@@ -92,8 +92,8 @@ def overrides(row: dict, nvme_dir: str | None = None) -> dict:
     }
 
 
-def config(row: dict, nvme_dir: str | None = None):
-    return build_config(deep_merge(BASE, overrides(row, nvme_dir)))
+def config(row: dict, nvme_dir: str | None = None, world: int = WORLD):
+    return build_config(deep_merge(BASE, overrides(row, nvme_dir, world)))
 
 
 def reference_row(row: dict) -> dict:
@@ -130,7 +130,7 @@ def train_row(row: dict, nvme_dir: str | None = None) -> dict:
     from zerotrain.models.gpt import GPT
 
     rank, n = world()
-    cfg = config(row, nvme_dir)
+    cfg = config(row, nvme_dir, n)
     torch.manual_seed(0)
     eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
     sp, accum, b = row["sp"], row["accum"], cfg.data.micro_batch_size
