@@ -61,3 +61,7 @@ def test_stage_against_every_option_equals_its_reference():
         bad = [mr.judge(r, res) for r, res in zip(rows, rank_results, strict=True)]
         bad = [v for v in bad if not v["ok"]]
         assert not bad, bad
+    # and the references' anchor: the plain run on 2 ranks is one process's
+    plain = {f: v[0] for f, v in mp.FACTORS.items()}
+    assert rows[0] == plain
+    assert mr.deviation(mr.train_row(plain), results[0][0]["ref"]) <= mr.TOL["reduce"]
