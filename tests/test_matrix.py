@@ -25,6 +25,17 @@ def test_cover_covers_every_valid_pair_and_is_deterministic():
         assert all(mp.valid(r) for r in rows)
     # the generator is greedy, not exhaustive: far below the 41,472 full combinations
     assert len(mp.cover(mp.FULL)) <= 30
+    # independently of the plan's own pair bookkeeping: every valid pair, by brute force
+    full = mp.cover(mp.FULL)
+    names = list(mp.FACTORS)
+    for i, f in enumerate(names):
+        for g in names[i + 1 :]:
+            for u in mp.FACTORS[f]:
+                for v in mp.FACTORS[g]:
+                    if ((f, u), (g, v)) in mp.REFUSED:
+                        assert not any(r[f] == u and r[g] == v for r in full), (f, u, g, v)
+                    else:
+                        assert any(r[f] == u and r[g] == v for r in full), (f, u, g, v)
     # a pair the plan refuses is never trained, and the check sees one missing pair
     rows = mp.cover(mp.QUICK)
     assert not any(r["stage"] != 3 and r["tier"] != "none" for r in rows)
