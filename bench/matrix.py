@@ -104,7 +104,7 @@ def main() -> int:
     t0 = time.time()
     results = run_ranks(mr.run_rows, mr.WORLD, rows, timeout=3600)
     verdicts = [mr.judge(r, res) for r, res in zip(rows, results[0], strict=True)]
-    refused = refusals()
+    refused = refusals() + mr.alias_refusals()
     single = one_process(rows, results[0])
     print(
         f"{len(rows)} runs of {mr.STEPS} steps on {mr.WORLD} ranks cover {got} of {need} "

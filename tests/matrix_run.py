@@ -280,3 +280,35 @@ def judge(row: dict, result: dict) -> dict:
         out["twin_tol"] = twin_tolerance(row)
         ok = ok and out["twin_deviation"] <= out["twin_tol"]
     return {**out, "deviation": dev, "audit": run["audit"], "ok": ok}
+
+
+#: refusals outside the factor grid: the wire's two spellings (zero.param_wire fp8 is
+#: precision.fp8.all_gather's alias), each with the settings its line must name
+ALIAS_REFUSALS = [
+    (
+        {
+            "zero": {"stage": 3, "param_wire": "int8"},
+            "precision": {"fp8": {"enabled": True, "all_gather": True}},
+        },
+        ("precision.fp8.all_gather", "zero.param_wire"),
+    ),
+    ({"zero": {"stage": 3, "param_wire": "fp8"}}, ("zero.param_wire", "precision.fp8")),
+    (
+        {"zero": {"stage": 2, "param_wire": "fp8"}, "precision": {"fp8": {"enabled": True}}},
+        ("zero.param_wire", "zero.stage"),
+    ),
+]
+
+
+def alias_refusals() -> list[dict]:
+    """Each ALIAS_REFUSALS config: refused at config time in one line naming both."""
+    out = []
+    for over, names in ALIAS_REFUSALS:
+        try:
+            build_config(deep_merge(BASE, over))
+            msg = None
+        except ConfigError as e:
+            msg = str(e).strip()
+        ok = msg is not None and "\n" not in msg and all(n in msg for n in names)
+        out.append({"pair": list(names), "config": over, "refusal": msg, "ok": ok})
+    return out

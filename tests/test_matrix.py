@@ -65,6 +65,11 @@ def test_refused_pairs_fail_at_config_time_in_one_line_naming_both(pair):
         assert mr.refusal(alone) is None, half
 
 
+def test_the_wires_two_spellings_are_refused_in_one_line():
+    for r in mr.alias_refusals():
+        assert r["ok"], r
+
+
 def test_stage_against_every_option_equals_its_reference():
     rows = mp.cover(mp.QUICK)
     results = run_ranks(mr.run_rows, mr.WORLD, rows, "fp8", timeout=600)
