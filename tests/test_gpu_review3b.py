@@ -455,3 +455,47 @@ def test_an_evaluation_forward_keeps_no_document_mask():
     with torch.no_grad():
         masking.forward(call, (x, x), {})
     assert masking.last is train_docs and not train_docs._masks  # nothing new held
+
+
+# ----------------------------------------------------------------------------- H-2
+def _crossed_communicators(port: int) -> str:
+    """Two communicators (the world's, a sequence-parallel split) issued in different
+    orders on the two ranks, under comm.check_lockstep and a 5 s collective timeout."""
+    import os
+
+    import torch.distributed as dist
+
+    from zerotrain.comm import dist as zdist
+    from zerotrain.comm.collectives import Comm
+    from zerotrain.comm.lockstep import LockstepError
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    zdist.init_distributed("cpu", "gloo", timeout_s=5)
+    comm = Comm("native", check_lockstep=True, timeout_s=5)
+    sp = comm.split(2)
+    world = lambda: comm.all_reduce(torch.ones(4), purpose="other")  # noqa: E731
+    seq = lambda: sp.all_reduce(torch.ones(4), purpose="sequence")  # noqa: E731
+    try:
+        for fn in ((world, seq) if dist.get_rank() == 0 else (seq, world)):
+            fn()
+    except LockstepError as e:
+        return f"LockstepError: {e}"
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        comm.close()
+    return "ok"
+
+
+def test_lockstep_names_communicators_issued_in_different_orders():
+    """H-2: ZeRO-3's gathers, the gradient group and the sequence-parallel group run
+    concurrently from one thread; each communicator checked its own sequence, so two
+    ranks issuing them in different orders were not compared (the checks themselves
+    hung). The split groups now join the world's sequence: one error, both named."""
+    from multirank import free_port, run_ranks
+
+    for msg in run_ranks(_crossed_communicators, 2, free_port(), timeout=120):
+        assert msg.startswith("LockstepError"), msg
+        assert "other" in msg and "sequence on the 2-rank split groups" in msg, msg
+
