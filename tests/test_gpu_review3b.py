@@ -499,3 +499,40 @@ def test_lockstep_names_communicators_issued_in_different_orders():
         assert msg.startswith("LockstepError"), msg
         assert "other" in msg and "sequence on the 2-rank split groups" in msg, msg
 
+
+
+# ----------------------------------------------------------------------------- L-2
+def test_gathered_parameters_after_initialize_gathers_only_their_units(monkeypatch):
+    """L-2: `GatheredParameters([one weight])` after initialize gathered every unit of
+    the model on every rank (OOM for a model larger than one GPU) and, with
+    `modifier_rank`, re-read every unit's master. Now only the units holding the named
+    parameters are gathered and written; the edit lands, the rest is untouched."""
+    import zerotrain.deepspeed as deepspeed
+    from zerotrain.zero.unit import ShardedUnit
+
+    net = _tiny_gpt(0.0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    units = eng.strategy.units
+    assert len(units) > 2
+    target = net.blocks[1].mlp.fc.weight
+    owner = next(u for u in units if any(s.param is target for s in u.slots))
+    gathered, real = [], ShardedUnit.unshard
+
+    def unshard(self, *a, **k):
+        gathered.append(self.index)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ShardedUnit, "unshard", unshard)
+    masters = [u.master.clone() for u in units]
+    with deepspeed.zero.GatheredParameters([target], modifier_rank=0), torch.no_grad():
+        assert target.shape == (128, 32)
+        target.fill_(0.5)
+    assert gathered == [owner.index]
+    with deepspeed.zero.GatheredParameters([target]):
+        assert bool((target == 0.5).all())
+    for u, before in zip(units, masters):
+        if u is not owner:
+            assert torch.equal(u.master, before)
+    eng.close()

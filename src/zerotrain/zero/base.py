@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -286,8 +287,9 @@ class Strategy(StrategyState):
         self.grads.clear(self.units)
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter usable in full inside the block (ZeRO-3 gathers; collective)."""
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every parameter (or `params`) usable in full inside the block (ZeRO-3 gathers;
+        collective)."""
         yield
 
     def close(self) -> None:
