@@ -536,3 +536,37 @@ def test_gathered_parameters_after_initialize_gathers_only_their_units(monkeypat
         if u is not owner:
             assert torch.equal(u.master, before)
     eng.close()
+
+
+
+def _init_opens_the_group(port: int) -> list:
+    """A DeepSpeed script that relies on `zero.Init` to open the group (DeepSpeed's
+    does), then loads rank 0's weights before initialize."""
+    import os
+
+    import torch.distributed as dist
+
+    import zerotrain.deepspeed as deepspeed
+    from zerotrain.deepspeed import zero
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    with deepspeed.zero.Init():
+        net = nn.Linear(2, 2)
+    opened = dist.is_initialized()
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(net.parameters()),
+                                                            modifier_rank=0):
+        net.weight.fill_(1.0 if rank == 0 else 5.0)
+        net.bias.fill_(2.0 if rank == 0 else 6.0)
+    return [opened, {k: v.tolist() for k, v in zero.take_pending(net).items()}]
+
+
+def test_zero_init_opens_the_group_as_deepspeeds_does():
+    """C-1's neighbour: without a group, GatheredParameters broadcast nothing and every
+    rank kept its own values (silently). zero.Init opens it, as DeepSpeed's does."""
+    from multirank import free_port, run_ranks
+
+    for opened, pending in run_ranks(_init_opens_the_group, 2, free_port(), timeout=120):
+        assert opened
+        assert pending == {"weight": [[1.0, 1.0]] * 2, "bias": [2.0, 2.0]}

@@ -26,6 +26,7 @@ from torch import nn
 
 from zerotrain.comm.dist import local_rank
 from zerotrain.config import Config
+from zerotrain.deepspeed import group as ds_group
 from zerotrain.deepspeed import zero
 from zerotrain.deepspeed.optim import (
     HYPER,
@@ -39,10 +40,6 @@ from zerotrain.deepspeed.optim import (
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
-
-#: whether zerotrain.deepspeed opened the process group (and so closes it at exit)
-OPENED_GROUP = False
-
 
 _UNCAUGHT = False
 _previous_hook = sys.excepthook
@@ -66,7 +63,7 @@ def _close_all() -> None:
     (the others may never get there)."""
     for engine in list(zero.ENGINES):
         engine.close()
-    if OPENED_GROUP and torch.distributed.is_initialized():
+    if ds_group.OPENED and torch.distributed.is_initialized():
         if not _UNCAUGHT:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zerotrain.comm.dist import comm_device
+from zerotrain.deepspeed.group import open_group
 
 
 @contextmanager
@@ -50,6 +51,7 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
     if not enabled:
         yield
         return
+    open_group()  # as DeepSpeed's Init does (deepspeed/group.py)
     with torch.device("meta"):
         yield
 
