@@ -570,3 +570,60 @@ def test_zero_init_opens_the_group_as_deepspeeds_does():
     for opened, pending in run_ranks(_init_opens_the_group, 2, free_port(), timeout=120):
         assert opened
         assert pending == {"weight": [[1.0, 1.0]] * 2, "bias": [2.0, 2.0]}
+
+
+# ----------------------------------------------------------------------------- S-5
+class _Syncs(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (`.item()`, `bool()`, `float()`):
+    on a GPU each one waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _SumGroup:
+    """A two-rank group whose other rank contributes `other` (what gloo/NCCL would sum)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, other: float) -> None:
+        self.other = other
+
+    def all_reduce(self, t, purpose="grads", async_op=False):
+        t.add_(self.other)
+
+    def all_reduce_scalars(self, t, op="sum"):
+        return t.detach().double().cpu() + self.other
+
+
+@pytest.mark.parametrize("mine", [3.0, 0.0])
+def test_sequence_parallel_loss_needs_no_host_sync(mine):
+    """S-5: the whole-batch loss under sequence parallelism read device values on the
+    host three times per micro-step (the empty-slice branch, the reduced value back on
+    the host, and again up to the device); none now, with the same value and gradient
+    (an empty slice: share 0, finite gradient)."""
+    from zerotrain.models.ulysses import SequenceParallel
+
+    sp = SequenceParallel.__new__(SequenceParallel)
+    sp.group = _SumGroup(0.75)
+    import torch.nn.functional as F
+
+    x = torch.tensor([[1.5, 2.5]], requires_grad=True)
+    target = torch.tensor([1 if mine else -100])  # an SFT prompt: nothing to predict
+    local = F.cross_entropy(x, target, ignore_index=-100)
+    counts = torch.tensor([mine, 4.0], dtype=torch.float64)
+    with _Syncs() as syncs:
+        loss = sp._whole_loss(local, counts)
+        loss.backward()
+    assert syncs.n == 0
+    ref = x.detach().clone().requires_grad_()
+    (F.cross_entropy(ref, torch.tensor([1])) * (mine / 4.0)).backward()
+    want_loss = float(F.cross_entropy(ref, torch.tensor([1]))) * mine / 4.0 + 0.75
+    assert float(loss) == pytest.approx(want_loss, rel=1e-6)
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-6, atol=0)
