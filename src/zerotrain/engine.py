@@ -286,10 +286,10 @@ class Engine(DeepSpeedAPI):
         return self.spike_guard.check(loss, grad_norm)
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter of `module` usable in full inside the block: ZeRO-3 gathers
-        them (a collective: every rank must enter), other stages hold them anyway."""
-        with self.strategy.full_parameters():
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every parameter of `module` (or of `params`' units) usable in full inside the
+        block: ZeRO-3 gathers them (a collective), other stages hold them anyway."""
+        with self.strategy.full_parameters(params):
             yield
 
     # ------------------------------------------------------------------ state

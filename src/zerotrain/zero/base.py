@@ -29,6 +29,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -325,8 +326,9 @@ class Strategy(StrategyState):
         model.zero_grad = types.MethodType(_zero_grad, model)  # type: ignore[method-assign]
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter usable in full inside the block (ZeRO-3 gathers; collective)."""
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every parameter (or `params`) usable in full inside the block (ZeRO-3 gathers;
+        collective)."""
         yield
 
     def close(self) -> None:
