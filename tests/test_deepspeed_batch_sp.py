@@ -40,3 +40,14 @@ def test_sp_inconsistent_triple_names_the_data_parallel_size():
         r"sequence.parallel 2\) = 2",
     ):
         load_deepspeed_config(ds, world_size=4, overrides=SP2)
+
+
+def test_yaml_head_says_what_the_batch_counts(tmp_path):
+    import json
+
+    from zerotrain.deepspeed_config import deepspeed_to_yaml
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1}))
+    head = deepspeed_to_yaml(p, world_size=4, overrides=SP2).splitlines()[1]
+    assert head.endswith("accumulation × world size / sequence.parallel 2)"), head

@@ -64,7 +64,9 @@ def test_fp8_wire_scale_of_a_foreign_weight_follows_its_amax():
 
 def _tiered(path: str, steps: int) -> list[dict]:
     def tier(kind: str) -> dict:
-        zero = {"stage": 3, "offload_param": kind, "nvme_path": path, "nvme_block_mb": 0.0625}
+        zero = {"stage": 3, "offload_param": kind}
+        if kind == "nvme":
+            zero |= {"nvme_path": path, "nvme_block_mb": 0.0625}
         return {**WIRED, "zero": zero}
 
     return run_many([WIRED, tier("nvme"), tier("cpu")], steps)

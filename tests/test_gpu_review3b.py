@@ -455,3 +455,175 @@ def test_an_evaluation_forward_keeps_no_document_mask():
     with torch.no_grad():
         masking.forward(call, (x, x), {})
     assert masking.last is train_docs and not train_docs._masks  # nothing new held
+
+
+# ----------------------------------------------------------------------------- H-2
+def _crossed_communicators(port: int) -> str:
+    """Two communicators (the world's, a sequence-parallel split) issued in different
+    orders on the two ranks, under comm.check_lockstep and a 5 s collective timeout."""
+    import os
+
+    import torch.distributed as dist
+
+    from zerotrain.comm import dist as zdist
+    from zerotrain.comm.collectives import Comm
+    from zerotrain.comm.lockstep import LockstepError
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    zdist.init_distributed("cpu", "gloo", timeout_s=5)
+    comm = Comm("native", check_lockstep=True, timeout_s=5)
+    sp = comm.split(2)
+    world = lambda: comm.all_reduce(torch.ones(4), purpose="other")  # noqa: E731
+    seq = lambda: sp.all_reduce(torch.ones(4), purpose="sequence")  # noqa: E731
+    try:
+        for fn in ((world, seq) if dist.get_rank() == 0 else (seq, world)):
+            fn()
+    except LockstepError as e:
+        return f"LockstepError: {e}"
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        comm.close()
+    return "ok"
+
+
+def test_lockstep_names_communicators_issued_in_different_orders():
+    """H-2: ZeRO-3's gathers, the gradient group and the sequence-parallel group run
+    concurrently from one thread; each communicator checked its own sequence, so two
+    ranks issuing them in different orders were not compared (the checks themselves
+    hung). The split groups now join the world's sequence: one error, both named."""
+    from multirank import free_port, run_ranks
+
+    for msg in run_ranks(_crossed_communicators, 2, free_port(), timeout=120):
+        assert msg.startswith("LockstepError"), msg
+        assert "other" in msg and "sequence on the 2-rank split groups" in msg, msg
+
+
+
+# ----------------------------------------------------------------------------- L-2
+def test_gathered_parameters_after_initialize_gathers_only_their_units(monkeypatch):
+    """L-2: `GatheredParameters([one weight])` after initialize gathered every unit of
+    the model on every rank (OOM for a model larger than one GPU) and, with
+    `modifier_rank`, re-read every unit's master. Now only the units holding the named
+    parameters are gathered and written; the edit lands, the rest is untouched."""
+    import zerotrain.deepspeed as deepspeed
+    from zerotrain.zero.unit import ShardedUnit
+
+    net = _tiny_gpt(0.0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    units = eng.strategy.units
+    assert len(units) > 2
+    target = net.blocks[1].mlp.fc.weight
+    owner = next(u for u in units if any(s.param is target for s in u.slots))
+    gathered, real = [], ShardedUnit.unshard
+
+    def unshard(self, *a, **k):
+        gathered.append(self.index)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ShardedUnit, "unshard", unshard)
+    masters = [u.master.clone() for u in units]
+    with deepspeed.zero.GatheredParameters([target], modifier_rank=0), torch.no_grad():
+        assert target.shape == (128, 32)
+        target.fill_(0.5)
+    assert gathered == [owner.index]
+    with deepspeed.zero.GatheredParameters([target]):
+        assert bool((target == 0.5).all())
+    for u, before in zip(units, masters):
+        if u is not owner:
+            assert torch.equal(u.master, before)
+    eng.close()
+
+
+
+def _init_opens_the_group(port: int) -> list:
+    """A DeepSpeed script that relies on `zero.Init` to open the group (DeepSpeed's
+    does), then loads rank 0's weights before initialize."""
+    import os
+
+    import torch.distributed as dist
+
+    import zerotrain.deepspeed as deepspeed
+    from zerotrain.deepspeed import zero
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    with deepspeed.zero.Init():
+        net = nn.Linear(2, 2)
+    opened = dist.is_initialized()
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(net.parameters()),
+                                                            modifier_rank=0):
+        net.weight.fill_(1.0 if rank == 0 else 5.0)
+        net.bias.fill_(2.0 if rank == 0 else 6.0)
+    return [opened, {k: v.tolist() for k, v in zero.take_pending(net).items()}]
+
+
+def test_zero_init_opens_the_group_as_deepspeeds_does():
+    """C-1's neighbour: without a group, GatheredParameters broadcast nothing and every
+    rank kept its own values (silently). zero.Init opens it, as DeepSpeed's does."""
+    from multirank import free_port, run_ranks
+
+    for opened, pending in run_ranks(_init_opens_the_group, 2, free_port(), timeout=120):
+        assert opened
+        assert pending == {"weight": [[1.0, 1.0]] * 2, "bias": [2.0, 2.0]}
+
+
+# ----------------------------------------------------------------------------- S-5
+class _Syncs(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (`.item()`, `bool()`, `float()`):
+    on a GPU each one waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _SumGroup:
+    """A two-rank group whose other rank contributes `other` (what gloo/NCCL would sum)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, other: float) -> None:
+        self.other = other
+
+    def all_reduce(self, t, purpose="grads", async_op=False):
+        t.add_(self.other)
+
+    def all_reduce_scalars(self, t, op="sum"):
+        return t.detach().double().cpu() + self.other
+
+
+@pytest.mark.parametrize("mine", [3.0, 0.0])
+def test_sequence_parallel_loss_needs_no_host_sync(mine):
+    """S-5: the whole-batch loss under sequence parallelism read device values on the
+    host three times per micro-step (the empty-slice branch, the reduced value back on
+    the host, and again up to the device); none now, with the same value and gradient
+    (an empty slice: share 0, finite gradient)."""
+    from zerotrain.models.ulysses import SequenceParallel
+
+    sp = SequenceParallel.__new__(SequenceParallel)
+    sp.group = _SumGroup(0.75)
+    import torch.nn.functional as F
+
+    x = torch.tensor([[1.5, 2.5]], requires_grad=True)
+    target = torch.tensor([1 if mine else -100])  # an SFT prompt: nothing to predict
+    local = F.cross_entropy(x, target, ignore_index=-100)
+    counts = torch.tensor([mine, 4.0], dtype=torch.float64)
+    with _Syncs() as syncs:
+        loss = sp._whole_loss(local, counts)
+        loss.backward()
+    assert syncs.n == 0
+    ref = x.detach().clone().requires_grad_()
+    (F.cross_entropy(ref, torch.tensor([1])) * (mine / 4.0)).backward()
+    want_loss = float(F.cross_entropy(ref.detach(), torch.tensor([1]))) * mine / 4.0 + 0.75
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-6)
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-6, atol=0)

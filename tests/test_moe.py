@@ -186,3 +186,34 @@ def test_estimate_knows_total_and_active(tmp_path, capsys):
     total = sum(p.numel() for p in m.parameters())
     cfg = ModelConfig(hf=str(tmp_path / "q"), block_size=24)
     assert active_param_count(cfg) == total - experts // 2
+
+
+def test_meta_built_moe_initialises_by_name_like_eager():
+    """ZeRO-3 materialises a meta-built model unit by unit through plan.init: the experts
+    get the eager model's values (N(0, 0.02²), `down` residual-scaled), the router too."""
+    from zerotrain.models import plan_for
+
+    cfg = moe_cfg()
+    torch.manual_seed(0)
+    eager = build_model(cfg)
+    torch.manual_seed(0)
+    meta = build_model(cfg, device="meta")
+    init = plan_for(meta).init
+    for name, p in eager.named_parameters():
+        t = torch.empty_like(p)
+        init(name, t)
+        assert torch.equal(t, p), name
+    down = eager.blocks[0].mlp.experts.down
+    assert abs(down.std().item() - 0.02 / math.sqrt(2 * 2)) < 0.002
+
+
+def test_moe_keys_are_checked_and_placed():
+    """Unknown keys inside model.moe get the usual hint; `moe.` at the top is pointed to
+    `model.moe` (the issue's own example wrote `--moe.expert_parallel`)."""
+    from zerotrain.config import parse_overrides
+
+    with pytest.raises(ConfigError, match=r"'model\.moe\.expertz' — did you mean "
+                                          r"'model\.moe\.experts'"):
+        build_config(parse_overrides(["--model.arch", "llama", "--model.moe.expertz", "2"]))
+    with pytest.raises(ConfigError, match=r"unknown config key 'moe'.*'model\.moe'"):
+        build_config(parse_overrides(["--moe.expert_parallel", "2"]))

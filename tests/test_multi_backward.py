@@ -97,3 +97,21 @@ def test_several_backwards_before_a_step_accumulate_as_one_process(world):
     for stage, got in zip((0, 1, 2, 3), res, strict=True):
         for k, v in want.items():
             assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), (stage, k, got[k], v)
+
+
+def test_module_zero_grad_clears_the_engines_gradients_a_copy_only_its_own():
+    import copy
+
+    import zerotrain.deepspeed as deepspeed
+
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    eng, *_ = deepspeed.initialize(model=net, optimizer=opt, config={"train_batch_size": 2})
+    eng.backward(net(torch.randn(2, 4)).sum())
+    kept = eng.strategy.units[0].grad
+    assert float(kept.abs().sum()) > 0
+    copy.deepcopy(net).zero_grad()  # an EMA copy: not this engine's model
+    assert float(kept.abs().sum()) > 0
+    net.zero_grad()
+    assert float(kept.abs().sum()) == 0
+    eng.close()

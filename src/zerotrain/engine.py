@@ -84,11 +84,10 @@ class Engine(DeepSpeedAPI):
         self.phases.begin()
         self.policy = PrecisionPolicy.from_config(config.precision, config.optimizer)
         apply_tf32(config.precision.tf32, device, config.precision.dtype)
-        self.comm = Comm(config.comm.algorithm,
-                         ring_min_bytes=int(config.comm.ring_min_mb * 2**20),
-                         check_lockstep=config.comm.check_lockstep,
-                         timeout_s=config.comm.timeout_s, grad_group=config.comm.grad_group,
-                         node_size=config.comm.node_size)
+        c = config.comm
+        self.comm = Comm(c.algorithm, ring_min_bytes=int(c.ring_min_mb * 2**20),
+                         check_lockstep=c.check_lockstep, timeout_s=c.timeout_s,
+                         grad_group=c.grad_group, node_size=c.node_size)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self._lay_out(model, plan, weights)
@@ -287,10 +286,10 @@ class Engine(DeepSpeedAPI):
         return self.spike_guard.check(loss, grad_norm)
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter of `module` usable in full inside the block: ZeRO-3 gathers
-        them (a collective: every rank must enter), other stages hold them anyway."""
-        with self.strategy.full_parameters():
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every parameter of `module` (or of `params`' units) usable in full inside the
+        block: ZeRO-3 gathers them (a collective), other stages hold them anyway."""
+        with self.strategy.full_parameters(params):
             yield
 
     # ------------------------------------------------------------------ state

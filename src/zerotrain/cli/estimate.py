@@ -37,6 +37,7 @@ from zerotrain.memory import (
     config_activations,
     max_params,
     max_seq,
+    node_traffic,
     phase_estimates,
     shape_traffic,
     steady_peak,
@@ -320,6 +321,9 @@ def _report(s: dict, rows: list[Row], args: argparse.Namespace) -> dict:
                          "host_to_device_bytes": tr.host_to_device_bytes,
                          "collectives": [asdict(c) for c in tr.collectives]},
              **_tiers_of(est, shape)}
+        node = s["config"].comm.node_size if "config" in s else None
+        if node and node < s["world_size"]:  # bytes to other nodes (comm.node_size)
+            r["traffic"]["inter_node_bytes"] = node_traffic(shape, node)[1]
         if args.bandwidth is not None:
             r["traffic"]["time_s"] = tr.time_s(args.bandwidth, args.latency)
         if args.max_params:

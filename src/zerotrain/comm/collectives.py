@@ -164,7 +164,12 @@ class Comm:
                              f"{self.world_size} ranks")
         groups = [self.subgroup(list(range(k, k + size)))
                   for k in range(0, self.world_size, size)]
-        return next(g for g in groups if g is not None)
+        mine = next(g for g in groups if g is not None)
+        if self.lockstep is not None and mine.lockstep is not None:
+            # every rank issues on its own group at the same points: checked in this
+            # Comm's sequence, across communicators (lockstep.py, Lockstep)
+            mine.lockstep = self.lockstep.channel(f"{size}-rank split groups")
+        return mine
 
     # ------------------------------------------------------------------ dispatch
     def _collective(self, op: str, out: Tensor, inp: Tensor | None, purpose: str,

@@ -11,18 +11,12 @@ from pydantic import (
 )
 
 from zerotrain.config.base import _Section
-
-#: The ZeRO stages Offload works at: it moves the *sharded* gradients, master weights
-#: and optimizer states to the host, so it needs the gradient shard. The one statement
-#: of that rule: the config, the memory model, the estimate and the DeepSpeed map ask
-#: `offload_allowed`.
-OFFLOAD_STAGES = (2, 3)
-OFFLOAD_RULE = ("offload needs stage 2 or 3 (it offloads the sharded gradients, master "
-                "weights and optimizer states)")
-
-
-def offload_allowed(stage: int) -> bool:
-    return stage in OFFLOAD_STAGES
+from zerotrain.config.zero_facts import (  # noqa: F401  (re-exported: their old home)
+    OFFLOAD_RULE,
+    OFFLOAD_STAGES,
+    offload_allowed,
+    zero_option_problems,
+)
 
 
 class ZeroConfig(_Section):
@@ -95,22 +89,10 @@ class ZeroConfig(_Section):
         return int(self.reductions_in_flight)
 
     @model_validator(mode="after")
-    def _offload_needs_sharding(self) -> ZeroConfig:
-        if self.offload_optimizer != "none" and not offload_allowed(self.stage):
-            raise ValueError("zero.offload_optimizer needs zero.stage 2 or 3 (it offloads the "
-                             "sharded gradients, master weights and optimizer states)")
-        if self.offload_optimizer == "nvme" and self.stage != 3:
-            raise ValueError("zero.offload_optimizer nvme needs zero.stage 3 (set zero.stage: 3, "
-                             "or offload_optimizer: cpu)")
-        if self.offload_param != "none" and self.stage != 3:
-            raise ValueError("zero.offload_param needs zero.stage 3 (only ZeRO-3 shards the "
-                             f"parameters; got stage {self.stage}): set zero.stage: 3")
-        for name, on in (("secondary_partition", self.secondary_partition is not None),
-                         ("param_wire", self.param_wire != "plain"),
-                         ("grad_wire", self.grad_wire != "plain")):
-            if on and self.stage != 3:
-                raise ValueError(f"zero.{name} is a ZeRO-3 option (ZeRO++); it needs "
-                                 f"zero.stage 3 (got {self.stage}): set zero.stage: 3 or remove it")
+    def _options_need_their_shard(self) -> ZeroConfig:
+        problems = zero_option_problems(self)  # config/zero_facts.py: the facts, once
+        if problems:
+            raise ValueError("; ".join(problems))
         if "nvme" in (self.offload_param, self.offload_optimizer) and not self.nvme_path:
             raise ValueError("an nvme offload tier needs zero.nvme_path (a directory on a fast "
                              "local disk, e.g. zero.nvme_path: /local_nvme/zerotrain)")

@@ -26,7 +26,8 @@ from torch import nn
 
 from zerotrain.comm.dist import local_rank
 from zerotrain.config import Config
-from zerotrain.deepspeed import opened, zero
+from zerotrain.deepspeed import group as ds_group
+from zerotrain.deepspeed import zero
 from zerotrain.deepspeed.optim import (
     HYPER,
     ParamGroups,
@@ -63,7 +64,7 @@ def _close_all() -> None:
     (the others may never get there)."""
     for engine in list(zero.ENGINES):
         engine.close()
-    if opened.OPENED_GROUP and torch.distributed.is_initialized():
+    if ds_group.OPENED and torch.distributed.is_initialized():
         if not _UNCAUGHT:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -141,16 +142,19 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         zero.ENGINES.add(self)
 
-    def write_weights(self, values: dict[str, torch.Tensor]) -> None:
+    def write_weights(self, values: dict[str, torch.Tensor], params: Any = None) -> None:
         """Make the master weights every rank keeps equal the parameters as they are now
-        (whole: call inside `full_parameters()`), with `values` (by name) taking the place
-        of theirs."""
+        (whole: call inside `full_parameters(params)`), with `values` (by name) taking the
+        place of theirs; with `params`, only the masters of the units holding them."""
         full = dict(self.module.named_parameters())
 
         def read(name: str, start: int, stop: int) -> torch.Tensor:
             t = values[name] if name in values else full[name].detach()
             return t.reshape(-1)[start:stop]
-        self.strategy.load_weights(read)
+        units_of = getattr(self.strategy, "units_of", None)
+        only = None if params is None or units_of is None else \
+            {u.index for u in units_of(params)}
+        self.strategy.load_weights(read, only)
 
     # ------------------------------------------------------------------ optimizer
     def _muon_plan(self, plan: Any, where: dict[str, int]) -> Any:

@@ -16,7 +16,8 @@ statistics, attention's log-sum-exp and the loss are fp32.
 - **head**: the final norm, and untiled the fp32 log-softmax `[n × V]`; at backward's
   start its gradient and the logits' gradient join it (3·n·V·4 at once — the largest
   transient of a long-sequence step). Tiled: one tile's logits and softmax (2·N·V·4),
-  the hidden states' gradient (n·h) and the head weight's accumulated gradient (V·h).
+  the hidden states' gradient (n·h) and the head weight's accumulated gradient (V·h,
+  summed in fp32: below fp32 the sum and one tile's product, V·h·(4 + bytes)).
 - **checkpointing**: every block keeps only its input (n·h), and backward recomputes one
   block at a time: that block's saved activations plus its gradients in flight.
   `offload` moves the kept inputs to pinned host memory (`host`); on CUDA at most two are
@@ -231,8 +232,11 @@ def _parts(model_cfg: ModelConfig, micro_batch: int, seq: int, act_bytes: int,
         norm += n * h
     ids = 8 * 2 * n + 4  # token ids, targets, the loss
     head_saved = norm + ids + (0 if tiled_head else n * V * STAT)
+    # tiles sum parameter gradients in fp32: below fp32, the fp32 sum and one tile's
+    # product (or the final cast) coexist (models/tiling.py)
+    acc = STAT + ab if ab < STAT else ab
     if tiled_head:  # one tile's logits + softmax, grad of the hidden states, head weight grad
-        head_peak = 2 * tile * V * STAT + n * h * ab + V * h * ab
+        head_peak = 2 * tile * V * STAT + n * h * ab + V * h * acc
     else:  # log-softmax, its gradient, the logits' gradient
         head_peak = 2 * n * V * STAT
     # one block's backward (what joins its saved activations, freed as it goes): in the
@@ -241,7 +245,7 @@ def _parts(model_cfg: ModelConfig, micro_batch: int, seq: int, act_bytes: int,
     # fused qkv's concatenated gradient) — measured on SDPA's flash backward
     mlp_grad = 2 * n * h * ab + 2 * (n if sh.experts else tile) * sh.inter * ab
     if tiled:  # the tiled MLP's parameter gradients: the running sum and one tile's
-        mlp_grad += 2 * (2 if sh.family == "gpt" else 3) * h * sh.inter * ab
+        mlp_grad += (2 if sh.family == "gpt" else 3) * h * sh.inter * max(acc, 2 * ab)
     attn_grad = (5 if sh.family == "gpt" else 3) * n * h * ab
     # sequence parallelism: the exchanges' buffers join attention (`EXCHANGE_COPIES`)
     plain_a2a, ckpt_a2a = (int(k * exchange_bytes(sh, n, S, ab)) if S > 1 else 0

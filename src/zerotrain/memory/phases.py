@@ -132,6 +132,9 @@ def phase_estimates(shape: RunShape, activations: int = 0) -> dict[str, int]:
     tiers = {k: sum(v) for k, v in tier_buffers(sh).items()}  # one memory: both sides
     ahead = sh.prefetch and sh.tier("params") == "device"  # else the tier reads ahead
     gathered = (2 if ahead else 1) * largest_unit * bpp.params
+    if params_sharded and sh.secondary_partition:  # hpZ: every unit's 1/K, forward to backward
+        gathered += sum(world * shard_numel(n, world) for n in numels) \
+            // sh.secondary_partition * bpp.params
     pool = (bucket_pool_numel(numels, world, sh.in_flight) * sh.reduce_bytes
             if grads_sharded else 0)
     held = states + pool + sh.runtime + tiers["io"]  # from the first backward/step on

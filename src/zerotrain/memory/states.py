@@ -12,20 +12,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from zerotrain.config.run import OFFLOAD_RULE, OFFLOAD_STAGES
+from zerotrain.config.zero_facts import (
+    FIELDS,
+    OFFLOAD_RULE,
+    OFFLOAD_STAGES,
+    OFFLOADED,
+    STAGE_SHARDS,
+)
 
-#: the model states (SPEC §6), the names strategies declare in `shards` / `offloads`
-FIELDS = ("params", "grads", "master", "optimizer")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
-#: SPEC §6's table: which states each ZeRO stage keeps 1/N per rank. The strategies
-#: declare the same (tests/test_run_shape.py holds them equal); this serves the
-#: stage-number API (`model_state_bytes`, the estimate's rows) that has no strategy.
-STAGE_SHARDS: dict[int, frozenset[str]] = {
-    0: frozenset(), 1: frozenset({"master", "optimizer"}),
-    2: frozenset({"grads", "master", "optimizer"}), 3: frozenset(FIELDS),
-}
-#: what Offload moves to the host: the sharded states the optimizer reads and writes
-OFFLOADED = frozenset({"grads", "master", "optimizer"})
 #: where a model state can live: device memory, host memory, files on a disk (NVMe)
 TIERS = ("device", "host", "disk")
 

@@ -193,7 +193,7 @@ def _checkpoint(fn: Callable[..., Any], device: torch.device | None, args: tuple
     return checkpoint(_without_anchor, anchor, fn, *args, use_reentrant=False, **kwargs)
 
 
-def _without_anchor(anchor: Tensor, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _without_anchor(anchor: Tensor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 

@@ -25,8 +25,11 @@ every rank (`publish`). Hooks and norms live here, once; checkpoint state in
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -316,20 +319,27 @@ class Strategy(StrategyState):
     def _follow_zero_grad(self, model: nn.Module) -> None:
         """`model.zero_grad()` clears the gradients kept here too, as it clears .grad in
         plain torch: another engine's backward through this model (a GAN's) leaves its
-        gradient in them, which the user's zero_grad must drop."""
-        own = model.zero_grad
-
-        def zero_grad(set_to_none: bool = True) -> None:
-            own(set_to_none)
-            self.zero_grad()
-        model.zero_grad = zero_grad  # type: ignore[method-assign]
+        gradient in them, which the user's zero_grad must drop. Bound to the model and
+        holding this strategy weakly: a deep copy (an EMA) clears only its own, and a
+        later engine over the same model replaces this one."""
+        model._zerotrain_grads = weakref.ref(self)
+        model.zero_grad = types.MethodType(_zero_grad, model)  # type: ignore[method-assign]
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter usable in full inside the block (ZeRO-3 gathers; collective)."""
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every parameter (or `params`) usable in full inside the block (ZeRO-3 gathers;
+        collective)."""
         yield
 
     def close(self) -> None:
         self.placement.close()
         self.comm.close()
 
+
+def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    """A model's zero_grad while an engine trains it (`Strategy._follow_zero_grad`)."""
+    type(module).zero_grad(module, set_to_none)
+    ref = module.__dict__.get("_zerotrain_grads")
+    strategy = ref() if ref is not None else None
+    if strategy is not None and strategy.model is module:
+        strategy.zero_grad()

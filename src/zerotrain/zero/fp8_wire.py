@@ -92,7 +92,9 @@ class Fp8Wire:
     def pack(self, shard: Tensor, amaxes: dict[str, Tensor]) -> None:
         """This rank's chunk as bytes, with every weight's all-ranks amax."""
         if self.send.numel() != self.chunk_bytes:  # lazy: released after each gather
-            self.send = torch.zeros(self.chunk_bytes, dtype=torch.uint8)
+            # made where the shard is (no host round trip per gather); a chunk's padding
+            # past this rank's pieces is sent but never decoded
+            self.send = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=shard.device)
         self.send = self.send.to(shard.device)
         lo = self.unit.shard_range[0]
         scales: dict[str, Tensor] = {}

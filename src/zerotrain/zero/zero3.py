@@ -31,12 +31,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from itertools import pairwise
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from zerotrain.config import ZeroConfig
+from zerotrain.config.zero_facts import STAGE_SHARDS
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import UnitSpec, blocks
@@ -57,7 +59,7 @@ def in_backward() -> bool:
 class ZeRO3(ZeRO2):
     name = "zero3"
     stage = 3
-    shards = frozenset({"params", "grads", "master", "optimizer"})
+    shards = STAGE_SHARDS[3]
     unit_class = ShardedUnit
     units: list[ShardedUnit]
 
@@ -211,17 +213,27 @@ class ZeRO3(ZeRO2):
         self.param_tier.settle_all()
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every unit gathered, exactly, inside the block (all ranks must enter it)."""
-        for u in self.units:
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every unit gathered, exactly, inside the block (all ranks must enter it); with
+        `params`, only the units holding one of them (a script touching one embedding
+        does not need the whole model on every GPU)."""
+        units = self.units_of(params)
+        for u in units:
             self.param_tier.ready(u)
             u.unshard(self.comm, async_op=False, exact=True)
             self.param_tier.release(u)
         try:
             yield
         finally:
-            for u in self.units:
+            for u in units:
                 u.reshard()
+
+    def units_of(self, params: Any = None) -> list:
+        """The units holding any of `params` (all of them for None)."""
+        if params is None:
+            return self.units
+        ids = {id(p) for p in params}
+        return [u for u in self.units if any(id(s.param) in ids for s in u.slots)]
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)
@@ -280,20 +292,20 @@ class ZeRO3(ZeRO2):
             return v.load() if isinstance(v, Lazy) else v
         self._fill_masters(master)
 
-    def load_weights(self, read) -> None:
+    def load_weights(self, read, only: set[int] | None = None) -> None:
         if not isinstance(self.updater, Streamed):
-            return super().load_weights(read)
+            return super().load_weights(read, only)
         self._fill_masters(lambda u: gather_range(u.layout(), *self.opt_range(u), read,
-                                                  u.master.dtype))
+                                                  u.master.dtype), only)
 
-    def _fill_masters(self, value) -> None:
+    def _fill_masters(self, value, only: set[int] | None = None) -> None:
         """Each unit's master from `value(u)`, published, and (in a tier) sent back
         before the next unit's is read."""
         up = self.updater
         assert isinstance(up, Streamed)
         up.placed_all()
         with torch.no_grad():
-            for u in self.units:
+            for u in self.units_of_index(only):
                 p = up.masters.get(u.index)
                 if p is not None:
                     p.claim()
