@@ -22,8 +22,8 @@ STAGE3 = {"zero": {"stage": 3}}
 
 
 def tiers(param: str, opt: str, path: str) -> dict:
-    return {"zero": {"stage": 3, "offload_param": param, "offload_optimizer": opt,
-                     "nvme_path": path, "nvme_block_mb": 0.0625}}
+    nvme = {"nvme_path": path, "nvme_block_mb": 0.0625} if "nvme" in (param, opt) else {}
+    return {"zero": {"stage": 3, "offload_param": param, "offload_optimizer": opt, **nvme}}
 
 
 CASES = [("cpu", "none"), ("nvme", "none"), ("none", "nvme"), ("nvme", "nvme"),

@@ -27,7 +27,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from zerotrain.checkpoint import stream
-from zerotrain.comm.dist import barrier, patient_barrier
+from zerotrain.comm.dist import patient_barrier
 from zerotrain.zero.lazy import Lazy
 
 FORMAT_VERSION = 2
@@ -64,6 +64,12 @@ def resolve(path: str | Path) -> Path:
         q = p / read_latest(p)
         if (q / "meta.json").is_file():
             return q
+        if any((q / f).is_file() for f in DEEPSPEED_MODEL_FILES):
+            raise CheckpointError(
+                f"'{p}' is a DeepSpeed checkpoint ('{q.name}' holds DeepSpeed's "
+                f"{next(f for f in DEEPSPEED_MODEL_FILES if (q / f).is_file())}), not a "
+                f"zerotrain one: convert it first with zerotrain convert --from-deepspeed {p} "
+                "--out CKPT, then use CKPT")
         raise CheckpointError(f"'{p}/latest' names '{q.name}', which is incomplete or missing")
     if (p / "checkpoints").is_dir():
         return resolve(p / "checkpoints")
@@ -71,6 +77,10 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(f"'{p}' holds no checkpoint (no meta.json and no 'latest' file); "
                               "pass the checkpoint root or one of its step_* folders")
     raise CheckpointError(f"checkpoint '{p}' does not exist")
+
+
+#: the model-states files of a DeepSpeed checkpoint folder (stages 0-2, stage 3)
+DEEPSPEED_MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def latest_name(root: Path) -> str | None:
@@ -193,9 +203,11 @@ def save_sharded(root: str | Path, step: int, rank: int, world: int,
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-    barrier()
+    # store-based barriers: rank 0's folder work and each rank's write (lazy NVMe-tier
+    # states read back, a shared filesystem) may outlast comm.timeout_s (NCCL: abort)
+    patient_barrier()
     _write_rank(tmp, rank, tensors, rank_meta)
-    barrier()
+    patient_barrier()
     if rank == 0:
         _finish(root, tmp, final, world, dict(meta, step=step), keep, latest)
     patient_barrier()  # rank 0's solo finishing may outlast comm.timeout_s (NCCL: abort)

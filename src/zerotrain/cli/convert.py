@@ -8,7 +8,10 @@ into `zerotrain.deepspeed` scripts (scheduler included) and `zerotrain.initializ
 
 from __future__ import annotations
 
-from zerotrain.cli.args import Parser, command
+import contextlib
+from pathlib import Path
+
+from zerotrain.cli.args import Parser, UsageError, command
 
 
 def _parser() -> Parser:
@@ -26,8 +29,33 @@ def _parser() -> Parser:
 @command("convert")
 def main_convert(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
+    made = _check_out(Path(a.out))
     from zerotrain.deepspeed.convert import convert
 
-    path = convert(a.from_deepspeed, a.out, a.tag)
+    try:
+        path = convert(a.from_deepspeed, a.out, a.tag)
+    except BaseException:
+        for d in made:  # what the check made for --out, if the conversion wrote nothing
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     print(f"wrote {path}")
     return 0
+
+
+def _check_out(out: Path) -> list[Path]:
+    """--out must be a directory this process can write, checked (by making it) before
+    the checkpoint is read; returns the directories made, deepest first."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out '{out}' is a file: give a directory (the checkpoint root "
+                         "to write; the tag's folder goes inside)")
+    made = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".zerotrain-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--out '{out}': cannot write there ({e.strerror or e}): give a "
+                         "writable directory") from None
+    return made

@@ -66,6 +66,22 @@ class Config(_Section):
         if s.warmup_start_lr > self.optimizer.lr:
             raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
                              f"optimizer.lr ({self.optimizer.lr})")
+        if self.optimizer.name == "muon" and self.zero.offload_optimizer == "nvme":
+            raise ValueError("optimizer.name muon with zero.offload_optimizer nvme: the disk "
+                             "tier streams elementwise optimizer states unit by unit and Muon "
+                             "updates whole matrices; use zero.offload_optimizer cpu or none "
+                             "with Muon")
+        if self.zero.param_wire == "fp8" and not self.precision.fp8.enabled:
+            raise ValueError("zero.param_wire fp8 sends the FP8 linears' weights; it needs "
+                             "precision.fp8.enabled true (or use zero.param_wire int8)")
+        if self.precision.fp8.all_gather and self.zero.param_wire == "int8":
+            raise ValueError("precision.fp8.all_gather (= zero.param_wire fp8) and "
+                             "zero.param_wire int8 are two wires for the same gather; pick one")
+        zpp = [f for f, on in (("secondary_partition", self.zero.secondary_partition),
+                                ("grad_wire", self.zero.grad_wire != "plain")) if on]
+        if zpp and self.sequence.parallel > 1:
+            raise ValueError(f"zero.{zpp[0]} places groups by node over every rank; it does not "
+                             "combine with sequence.parallel > 1 yet: remove one of them")
         if self.precision.fp8.all_gather and self.zero.stage != 3:
             raise ValueError("precision.fp8.all_gather gathers ZeRO-3's sharded weights; it "
                              f"needs zero.stage 3 (got {self.zero.stage})")
@@ -78,6 +94,10 @@ class Config(_Section):
                     f"after train.steps ({self.train.steps}): the run would stop before "
                     "reaching schedule.min_lr; shorten decay_steps or leave it null")
         m = self.model
+        if m.moe is not None and self.optimizer.name == "muon":
+            raise ValueError("optimizer.name muon with model.moe: Muon would orthogonalise a "
+                             "layer's fused experts [E, 2I, d] as one matrix, not expert by "
+                             "expert; use optimizer.name adamw")
         # block_size only when given: library mode's batches need not follow the default
         # (their length is checked per batch); the CLI checks it at launch too
         check_sequence_parallel(self.sequence.parallel, n_head=m.n_head or None,
@@ -115,7 +135,26 @@ def idle_settings(cfg: Config) -> list[str]:
     if z.stage < 3 and not z.prefetch:
         out.append(f"zero.prefetch false applies to zero.stage 3 only (this is stage "
                    f"{z.stage}); remove it")
+    out += _idle_tier_settings(z)
     if cfg.data.eos_token_id is not None and not cfg.data.document_mask:
         out.append(f"data.eos_token_id ({cfg.data.eos_token_id}) is used by "
                    "data.document_mask only; remove it or set data.document_mask true")
+    return out
+
+
+def _idle_tier_settings(z: Any) -> list[str]:
+    """The disk tier's settings without a disk tier, and the tiers' read-ahead without
+    any tier: they would do nothing."""
+    out, default = [], type(z).model_fields
+    tiers = [t for t in (z.offload_param, z.offload_optimizer) if t != "none"]
+    if "nvme" not in tiers:
+        for name in ("nvme_path", "nvme_threads", "nvme_block_mb", "nvme_direct"):
+            value = getattr(z, name)
+            if value != default[name].default:
+                out.append(f"zero.{name} ({value}) is used by the nvme tiers only (zero."
+                           "offload_param or zero.offload_optimizer nvme); remove it or set "
+                           "one of them to nvme")
+    if not tiers and z.offload_prefetch != default["offload_prefetch"].default:
+        out.append(f"zero.offload_prefetch ({z.offload_prefetch}) is used by the offload "
+                   "tiers only (zero.offload_param or zero.offload_optimizer); remove it")
     return out

@@ -26,10 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zerotrain.checkpoint.io import CheckpointError
+from zerotrain.checkpoint.io import DEEPSPEED_MODEL_FILES, CheckpointError
 
-MODEL_FILES = ("mp_rank_00_model_states.pt",  # stages 0-2
-               "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stage 3 (rank 0's)
+MODEL_FILES = DEEPSPEED_MODEL_FILES  # stages 0-2; stage 3 (rank 0's)
 #: model-states keys DeepSpeed writes itself; the rest is the script's client_state
 _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
             "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler",
@@ -66,11 +65,28 @@ def find(load_dir: str | Path, tag: str | None) -> Path | None:
     """The folder of a DeepSpeed checkpoint (through `latest` or `tag`), else None."""
     root = Path(load_dir)
     if tag is None and (root / "latest").is_file():
-        tag = (root / "latest").read_text().strip()
+        try:
+            tag = (root / "latest").read_bytes().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            tags = tags_in(root)
+            if not tags:
+                return None  # not a DeepSpeed folder: zerotrain's reader says what is wrong
+            raw = (root / "latest").read_bytes()[:40]
+            raise CheckpointError(f"'{root}/latest' is damaged (it names no folder: {raw!r}); "
+                                  f"its tags: {', '.join(tags)}: pass one with --tag (tag=)"
+                                  ) from None
     for folder in (root, root / str(tag)) if tag is not None else (root,):
         if any((folder / f).is_file() for f in MODEL_FILES):
             return folder
     return None
+
+
+def tags_in(root: Path) -> list[str]:
+    """The folders under `root` that hold a DeepSpeed checkpoint."""
+    if not root.is_dir():
+        return []
+    return sorted(d.name for d in root.iterdir()
+                  if d.is_dir() and any((d / f).is_file() for f in MODEL_FILES))
 
 
 def read(path: Path) -> Any:
@@ -87,32 +103,130 @@ def read(path: Path) -> Any:
                               f"DeepSpeed's allow-list): {first}") from None
 
 
+def check_shapes(saved: dict[str, torch.Size], mine: dict[str, torch.Size],
+                 folder: Path) -> None:
+    """Refuse a checkpoint of another model, as DeepSpeed's load_state_dict does."""
+    bad = [f"{n}: checkpoint {list(s)}, this model {list(mine[n])}"
+           for n, s in saved.items() if n in mine and torch.Size(s) != mine[n]]
+    if bad:
+        raise CheckpointError(f"size mismatch loading the DeepSpeed checkpoint in '{folder}' "
+                              f"({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): it "
+                              "was saved from another model; load it into the model that "
+                              "saved it")
+
+
+def rank_files(folder: Path, world: int) -> list[Path]:
+    """The ZeRO optimizer files, one per rank 0..world-1 of the run that saved them;
+    missing or extra rank files are refused by name."""
+    files: dict[int, Path] = {}
+    for f in folder.glob("*zero_pp_rank_*_optim_states.pt"):
+        try:
+            files[int(f.name.split("zero_pp_rank_")[1].split("_")[0])] = f
+        except ValueError:
+            raise CheckpointError(f"'{f}' is not a DeepSpeed optimizer file name "
+                                  "(zero_pp_rank_<r>_mp_rank_00_optim_states.pt)") from None
+    if not files or world <= 0:
+        return [files[r] for r in sorted(files)]
+    want = set(range(world))
+    if set(files) != want:
+        missing = sorted(want - set(files))
+        extra = sorted(set(files) - want)
+        what = "; ".join(
+            ([f"missing: rank(s) {', '.join(map(str, missing))}"] if missing else [])
+            + ([f"extra: {', '.join(files[r].name for r in extra)}"] if extra else []))
+        raise CheckpointError(f"'{folder}' was saved by {world} data-parallel ranks "
+                              f"(dp_world_size) but holds optimizer files of ranks "
+                              f"{sorted(files)} ({what}): copy the folder whole")
+    return [files[r] for r in range(world)]
+
+
+def _optimizer_state(path: Path) -> dict:
+    data = read(path)
+    if not isinstance(data, dict) or not isinstance(data.get("optimizer_state_dict"), dict):
+        raise CheckpointError(f"'{path}' is not a DeepSpeed optimizer-states file (a dict "
+                              "with 'optimizer_state_dict')")
+    return data["optimizer_state_dict"]
+
+
 class DeepSpeedShards:
     """A DeepSpeed checkpoint as whole per-parameter tensors, behind the interface
     `checkpoint.state.resliced` reads (`reader`, `state_names`, `scalars`, `buffers`)."""
 
-    def __init__(self, folder: Path, names: list[list[str]]):
+    def __init__(self, folder: Path, names: list[list[str]],
+                 shapes: dict[str, torch.Size] | None = None):
         """`names`: this engine's parameter names per user group, in the order the
-        script gave them (DeepSpeed's optimizer order)."""
+        script gave them (DeepSpeed's optimizer order); `shapes`: its parameters' shapes,
+        which the saved ones must equal (DeepSpeed's own load refuses a size mismatch)."""
         self.folder = folder
         path = next(folder / f for f in MODEL_FILES if (folder / f).is_file())
         self.model = read(path)
-        if not isinstance(self.model, dict) or "module" not in self.model:
-            raise CheckpointError(f"'{path}' is not a DeepSpeed model-states file")
+        if not isinstance(self.model, dict) or not isinstance(self.model.get("module"), dict):
+            raise CheckpointError(f"'{path}' is not a DeepSpeed model-states file (a dict "
+                                  "with the module's tensors under 'module')")
         self.full: dict[str, dict[str, Tensor]] = {}
         self.scalars: dict[tuple[str, str], Any] = {}
         self.groups: list[dict[str, Any]] = []
-        files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"),
-                       key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
+        if shapes is not None:
+            check_shapes(self.saved_shapes(), shapes, folder)
+        files = rank_files(folder, int(self.model.get("dp_world_size") or 0))
         if not files:
             self._stage0(names)
         else:
-            states = [read(f)["optimizer_state_dict"] for f in files]
-            stage = int(states[0].get("zero_stage", 0))
-            if stage == 3:
+            self._zero(files, names)
+
+    def _zero(self, files: list[Path], names: list[list[str]]) -> None:
+        """ZeRO-1/2/3: the rank files, all of one run, put back together per parameter."""
+        states = [_optimizer_state(f) for f in files]
+        stages = [int(s.get("zero_stage", 0)) for s in states]
+        if len(set(stages)) != 1:
+            raise CheckpointError(
+                f"the optimizer files in '{self.folder}' come from different runs: ZeRO "
+                f"stages {', '.join(f'{f.name} {s}' for f, s in zip(files, stages, strict=True))}")
+        try:
+            if stages[0] == 3:
                 self._stage3(states, names)
             else:
                 self._stage12(states, names)
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"the optimizer files in '{self.folder}' are not laid out as DeepSpeed 0.19 "
+                f"writes ZeRO-{stages[0]} ones ({type(e).__name__}: {e}); the folder may mix "
+                "files of different runs") from None
+        self._check_assembled(files)
+
+    def saved_shapes(self) -> dict[str, torch.Size]:
+        """Each saved parameter's shape: DeepSpeed's `param_shapes` (stages 1-3), else
+        the module's tensors (stage 0)."""
+        groups = self.model.get("param_shapes")
+        if groups:
+            return {n: torch.Size(s) for g in groups for n, s in g.items()}
+        buffers = set(self.model.get("buffer_names") or [])
+        return {n: t.shape for n, t in self.model["module"].items()
+                if isinstance(t, Tensor) and n not in buffers}
+
+    def _check_assembled(self, files: list[Path]) -> None:
+        """Every parameter put back together from the rank files holds exactly its saved
+        shape's elements: a rank file of another run or model does not fit."""
+        shapes = self.saved_shapes()
+        for kind, table in self.full.items():
+            for name, t in table.items():
+                want = math.prod(shapes.get(name, t.shape))
+                if t.numel() != want:
+                    raise CheckpointError(
+                        f"the optimizer files in '{self.folder}' do not fit its model file: "
+                        f"parameter '{name}' ({kind}) assembles to {t.numel()} elements, its "
+                        f"saved shape {list(shapes[name])} holds {want}; the folder mixes "
+                        f"files of different runs ({', '.join(f.name for f in files)})")
+
+    def _check_flats(self, gi: int, per_kind: list[list[Tensor]], need: int) -> None:
+        """ZeRO-3: every rank's flat piece of group `gi` has one size, enough for the
+        saved shapes (a rank file of another model has another size)."""
+        sizes = {t.numel() for ts in per_kind for t in ts}
+        if len(sizes) != 1 or min(sizes) < need:
+            raise CheckpointError(
+                f"the optimizer files in '{self.folder}' do not fit its model file: group "
+                f"{gi}'s per-rank pieces hold {sorted(sizes)} elements where the saved shapes "
+                f"need {need} on each rank; the folder mixes files of different runs")
 
     # ---------------------------------------------------------------- layouts
     def _check_groups(self, n: int, names: list[list[str]]) -> None:
@@ -180,6 +294,8 @@ class DeepSpeedShards:
             kinds = {k: [b["state"][gi][k] for b in base] for k in base[0]["state"][gi]
                      if isinstance(base[0]["state"][gi][k], Tensor) and k != "step"}
             step = base[0]["state"][gi].get("step")
+            self._check_flats(gi, [flats, *kinds.values()],
+                              sum(math.ceil(math.prod(s) / world) for s in group_shapes.values()))
             off = 0
             for name, shape in group_shapes.items():
                 n = math.prod(shape)

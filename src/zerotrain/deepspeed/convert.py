@@ -10,7 +10,7 @@ import torch
 
 from zerotrain.checkpoint.io import CheckpointError
 from zerotrain.deepspeed import initialize
-from zerotrain.deepspeed.checkpoint import MODEL_FILES, DeepSpeedShards, find, read
+from zerotrain.deepspeed.checkpoint import MODEL_FILES, DeepSpeedShards, find, read, tags_in
 
 
 class _Holder(torch.nn.Module):
@@ -37,9 +37,20 @@ def convert(folder_or_root: str | Path, out: str | Path, tag: str | None = None)
     it loads at any world size and stage): weights, optimizer state, step, scheduler."""
     folder = find(folder_or_root, tag)
     if folder is None:
+        tags = tags_in(Path(folder_or_root))
+        if tag is not None and tags:
+            raise CheckpointError(f"'{folder_or_root}' has no DeepSpeed checkpoint tagged "
+                                  f"'{tag}'; its tags: {', '.join(tags)}")
         raise CheckpointError(f"'{folder_or_root}' holds no DeepSpeed checkpoint (no 'latest' "
-                              "naming a folder with mp_rank_00_model_states.pt)")
-    model = read(next(folder / f for f in MODEL_FILES if (folder / f).is_file()))
+                              "naming a folder with mp_rank_00_model_states.pt"
+                              + (f"; its tags: {', '.join(tags)}: pass one with --tag"
+                                 if tags else "") + ")")
+    path = next(folder / f for f in MODEL_FILES if (folder / f).is_file())
+    model = read(path)
+    if not isinstance(model, dict) or not isinstance(model.get("module"), dict):
+        raise CheckpointError(f"'{path}' is not a DeepSpeed model-states file (a dict with the "
+                              f"module's tensors under 'module'; it holds a "
+                              f"{type(model).__name__})")
     ds = model.get("ds_config") or {}
     if "optimizer" not in ds:
         raise CheckpointError("the run's DeepSpeed config names no optimizer (it used a client "

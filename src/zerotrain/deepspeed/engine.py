@@ -26,6 +26,7 @@ from torch import nn
 
 from zerotrain.comm.dist import local_rank
 from zerotrain.config import Config
+from zerotrain.deepspeed import group as ds_group
 from zerotrain.deepspeed import zero
 from zerotrain.deepspeed.optim import (
     HYPER,
@@ -40,10 +41,6 @@ from zerotrain.deepspeed.surface import HFSurface
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
-
-#: whether zerotrain.deepspeed opened the process group (and so closes it at exit)
-OPENED_GROUP = False
-
 
 _UNCAUGHT = False
 _previous_hook = sys.excepthook
@@ -67,7 +64,7 @@ def _close_all() -> None:
     (the others may never get there)."""
     for engine in list(zero.ENGINES):
         engine.close()
-    if OPENED_GROUP and torch.distributed.is_initialized():
+    if ds_group.OPENED and torch.distributed.is_initialized():
         if not _UNCAUGHT:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -146,16 +143,19 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
                    "is, as in DeepSpeed")
         return client(self.param_source) if callable(client) else client
 
-    def write_weights(self, values: dict[str, torch.Tensor]) -> None:
+    def write_weights(self, values: dict[str, torch.Tensor], params: Any = None) -> None:
         """Make the master weights every rank keeps equal the parameters as they are now
-        (whole: call inside `full_parameters()`), with `values` (by name) taking the place
-        of theirs."""
+        (whole: call inside `full_parameters(params)`), with `values` (by name) taking the
+        place of theirs; with `params`, only the masters of the units holding them."""
         full = dict(self.module.named_parameters())
 
         def read(name: str, start: int, stop: int) -> torch.Tensor:
             t = values[name] if name in values else full[name].detach()
             return t.reshape(-1)[start:stop]
-        self.strategy.load_weights(read)
+        units_of = getattr(self.strategy, "units_of", None)
+        only = None if params is None or units_of is None else \
+            {u.index for u in units_of(params)}
+        self.strategy.load_weights(read, only)
 
     # ------------------------------------------------------------------ optimizer
     def _muon_plan(self, plan: Any, where: dict[str, int]) -> Any:
@@ -341,7 +341,9 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
 
         name_of = {id(p): n for n, p in self.module.named_parameters()}
         names = [[name_of[id(p)] for p in g["params"]] for g in self.param_source.param_groups]
-        shards = DeepSpeedShards(folder, names)
+        shapes = {n: torch.Size(s) for u in self.strategy.layout()["units"]
+                  for n, s, *_ in u["params"]}
+        shards = DeepSpeedShards(folder, names, shapes)
         sd = resliced(shards, self.state_dict())  # type: ignore[arg-type]
         if load_module_only:
             self.strategy.load_state_dict(sd["strategy"])

@@ -59,7 +59,7 @@ def _name_of(engine: Any, param: Tensor) -> str:
 def safe_get_full_fp32_param(param: Tensor) -> Tensor:
     """The whole parameter as fp32 (a copy)."""
     engine = _engine_of(param)
-    with engine.full_parameters():
+    with engine.full_parameters([param]):  # only the unit holding it
         return param.detach().float().clone()
 
 
@@ -67,8 +67,8 @@ def safe_set_full_fp32_param(param: Tensor, value: Tensor) -> None:
     """Set the whole parameter (and its fp32 master on every rank) to `value`."""
     engine = _engine_of(param)
     name = _name_of(engine, param)
-    with engine.full_parameters():
-        engine.write_weights({name: value.detach().to(torch.float32)})
+    with engine.full_parameters([param]):
+        engine.write_weights({name: value.detach().to(torch.float32)}, [param])
 
 
 def safe_get_full_grad(param: Tensor) -> Tensor | None:

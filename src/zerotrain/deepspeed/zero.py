@@ -10,9 +10,9 @@ build, other draws. Load real weights inside `GatheredParameters(...,
 modifier_rank=0)`, before or after `initialize` (from_pretrained does: the engine then
 reads each rank's shard from the loaded values).
 
-`GatheredParameters(params, modifier_rank=None)`: inside the block every parameter of
-the engine's model is whole on every rank (ZeRO-3 gathers; a collective, so every rank
-enters it). With `modifier_rank`, that rank's values of `params` are broadcast on exit
+`GatheredParameters(params, modifier_rank=None)`: inside the block `params` are whole on
+every rank (ZeRO-3 gathers the units holding them, not the whole model; a collective,
+so every rank enters it). With `modifier_rank`, that rank's values of `params` are broadcast on exit
 and become the master weights every rank keeps (re-sharded); without it, edits are
 discarded as in DeepSpeed where weights are partitioned. (DeepSpeed 0.19.8 itself,
 after `initialize`: at ZeRO-1-3 its first step writes its fp32 masters, copied before
@@ -46,6 +46,9 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from zerotrain.comm.dist import comm_device
+from zerotrain.deepspeed.group import open_group
+
 
 @contextmanager
 def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
@@ -59,6 +62,7 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
     if not enabled:
         yield
         return
+    open_group()  # as DeepSpeed's Init does (deepspeed/group.py)
     counter = itertools.count()
 
     def to_meta(module: Any, name: str, param: Any) -> Any:
@@ -133,10 +137,20 @@ def _owner(params: list[Tensor]) -> Any:
 
 
 def _broadcast(params: list[Tensor], src: int) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for p in params:
+    """`src`'s values on every rank, through the device the group's backend takes: NCCL
+    has no CPU backend, and the parameters of a model built under `Init` are host
+    tensors before `initialize` ("No backend type associated with device type cpu")."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    dev = comm_device()
+    with torch.no_grad():
+        for p in params:
+            if p.device == dev:
                 dist.broadcast(p.data, src=src)
+                continue
+            t = p.data.to(dev)
+            dist.broadcast(t, src=src)
+            p.data.copy_(t)
 
 
 #: id(parameter) -> (parameter, values written before initialize or None where another
@@ -216,8 +230,8 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None,
         with _on_host(plist, modifier_rank):
             yield
         return
-    with engine.full_parameters():
+    with engine.full_parameters(plist):  # only the units holding `params` (as DeepSpeed)
         yield
         if modifier_rank is not None:
             _broadcast(plist, modifier_rank)
-            engine.write_weights({})
+            engine.write_weights({}, plist)

@@ -37,10 +37,7 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     _Z + "cpu_offload_param": (False, "use zero_optimization.offload_param.device cpu"),
     _Z + "offload_optimizer.ratio": (1.0, "zerotrain offloads the whole optimizer (a ratio "
                                           "below 1 keeps a part of it on the device)"),
-    _Z + "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning: " + _OFF),
-    _Z + "zero_quantized_weights": (False, "ZeRO++ quantized weights: " + _OFF),
     _Z + "zero_quantized_nontrainable_weights": (False, _OFF),
-    _Z + "zero_quantized_gradients": (False, "ZeRO++ quantized gradients: " + _OFF),
     _Z + "mics_shard_size": (-1, "MiCS sub-group sharding: " + _OFF),
     _Z + "mics_hierarchical_params_gather": (False, _OFF),
     _Z + "stage3_module_granularity_threshold": (0, "ZeRO-3 units come from the model's plan"),

@@ -23,12 +23,12 @@ from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.io import complete_checkpoints
 from zerotrain.comm.dist import (
     DistInfo,
-    barrier,
     init_distributed,
     patient_barrier,
     pick_device,
 )
 from zerotrain.config import Config, ConfigError, DataConfig, check_sequence_parallel
+from zerotrain.config.nodes import check_nodes
 from zerotrain.config.training import DEFAULT_WARMUP
 from zerotrain.data.dataset import (
     cached_shards,
@@ -234,9 +234,13 @@ def _document_eos(d: DataConfig, tok: Tokenizer) -> DataConfig:
 def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
     """What the launcher checks before starting ranks: devices, run folder and data
     (made here once: the ranks then find the tokenizer and token shards ready)."""
-    pick_device(cfg.train.device, 0, local_world=world)
+    device = pick_device(cfg.train.device, 0, local_world=world)
     check_weights(cfg.model)
+    from zerotrain.run.tier_check import check_nvme_path
+
+    check_nvme_path(cfg, world, device.type)
     check_sequence_parallel(cfg.sequence.parallel, world, seq_len=cfg.model.block_size)
+    check_nodes(cfg, world)
     src = resolve_resume(cfg, resume)
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
     for line in data.notes:
@@ -288,17 +292,18 @@ def setup(cfg: Config, resume: str | None) -> Run:
     engine.run_id = new_run_id()
     run_dir = Path(cfg.logging.run_dir)
     lines = _resume(engine, src, cfg) if src is not None else []
-    barrier()  # every rank has checked the folder before rank 0 may clear it
+    patient_barrier()  # every rank has checked the folder before rank 0 may clear it
     if src is None and info.rank == 0:
         clear_run(cfg)  # what an earlier, unresumable attempt or --logging.overwrite left
-    barrier()
+    patient_barrier()  # rank 0's rmtree of old checkpoints may outlast comm.timeout_s
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
     if src is None and resume == "auto":  # say so: the user may have expected a resume
         why = f"restart {restart_count()}" if restart_count() else "--resume auto"
         lines.append(f"[zerotrain] {why}: no complete checkpoint in {checkpoint_root(cfg)}; "
                      "starting a new run from step 0")
-    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines]:
+    note = cfg.optimizer.state_note()
+    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines, *([note] * bool(note))]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
               report, src is not None, data.tokenizer)
@@ -331,7 +336,37 @@ def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
     if info.optimizer_reset:
         lines.append(f"[zerotrain] optimizer state reset ({info.meta.get('optimizer')} -> "
                      f"{cfg.optimizer.name}): weights, counters and loss scale were kept")
+    lines += info.notes
     if info.changes:
         lines.append("[zerotrain] warning: settings differ from the checkpoint's, this run's "
                      "config wins: " + "; ".join(info.changes))
-    return lines
+    return lines + global_batch_change(info.meta, cfg, engine.dp_size)
+
+
+def global_batch_change(meta: dict, cfg: Config, dp: int) -> list[str]:
+    """A warning when the sequences per optimizer step (micro-batch × accumulation ×
+    data-parallel ranks) differ from the checkpoint's run: another world size or
+    sequence.parallel changes them as surely as another micro-batch does. The run keeps
+    this run's settings (as for every changed setting); the line says how to keep the
+    checkpoint's batch instead."""
+    saved = meta.get("config") or {}
+    data, seq = saved.get("data") or {}, saved.get("sequence") or {}
+    try:
+        old_dp = int(meta["world_size"]) // max(1, int(seq.get("parallel", 1)))
+        old = int(data["micro_batch_size"]) * int(data.get("grad_accum_steps", 1)) * old_dp
+    except (KeyError, TypeError, ValueError):
+        return []
+    mb, acc = cfg.data.micro_batch_size, cfg.data.grad_accum_steps
+    new = mb * acc * dp
+    if new == old:
+        return []
+    fixes = []
+    if old % (mb * dp) == 0:
+        fixes.append(f"--data.grad_accum_steps {old // (mb * dp)}")
+    if old % (acc * dp) == 0 and old // (acc * dp) != mb:
+        fixes.append(f"--data.micro_batch_size {old // (acc * dp)}")
+    keep = (f"; to keep {old}, resume with {' or '.join(fixes)}" if fixes else "")
+    return [f"[zerotrain] warning: the global batch changes from {old} sequences per step "
+            f"(micro-batch {data['micro_batch_size']} × accumulation "
+            f"{data.get('grad_accum_steps', 1)} × {old_dp} data-parallel rank(s)) to {new} "
+            f"({mb} × {acc} × {dp}): this run trains with {new}{keep}"]

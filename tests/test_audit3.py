@@ -1,0 +1,415 @@
+"""The fourth new-user audit's findings (../shared/findings/new-user-audit-3.md), one test
+each, on genuine DeepSpeed 0.19.8 checkpoints (tests/data/ds_ckpt, see its README): a
+checkpoint of another model refused as DeepSpeed refuses it, every user error one line,
+tensors in client_state kept, and no silent change of what a run trains on."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerotrain.deepspeed as deepspeed
+from zerotrain.checkpoint.io import CheckpointError
+from zerotrain.cli import main
+
+DS = Path(__file__).resolve().parent / "data" / "ds_ckpt"
+
+
+class Mlp(torch.nn.Module):
+    """The audit's ds_case.py model: 16 -> hidden -> 4 with a LayerNorm."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, hidden)
+        self.ln = torch.nn.LayerNorm(hidden)
+        self.fc2 = torch.nn.Linear(hidden, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.ln(torch.relu(self.fc1(x))))
+
+
+def mlp_engine(hidden: int = 32):
+    torch.manual_seed(0)
+    net = Mlp(hidden)
+    groups = [
+        {"params": [q for q in net.parameters() if q.ndim >= 2], "weight_decay": 0.1},
+        {"params": [q for q in net.parameters() if q.ndim < 2], "weight_decay": 0.0},
+    ]
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, model_parameters=groups, config=str(DS / "ds_stage2.json")
+    )
+    return engine
+
+
+def copy(name: str, tmp_path: Path) -> Path:
+    out = tmp_path / name
+    shutil.copytree(DS / name, out)
+    return out
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error(err: str, name: str) -> str:
+    assert "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("[zerotrain]")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"zerotrain {name}: error: "), err
+    return lines[0]
+
+
+# ------------------------------------------------------------------ BROKEN 1
+def test_deepspeed_checkpoint_of_another_model_is_refused_as_deepspeed_does():
+    engine = mlp_engine(32)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with pytest.raises(
+        CheckpointError,
+        match=r"size mismatch .*fc1\.weight: checkpoint "
+        r"\[64, 16\], this model \[32, 16\]",
+    ):
+        engine.load_checkpoint(DS / "ds_ckpt_other")
+    for n, p in engine.module.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    # the same model's checkpoint still loads: its saved weights, exactly
+    path, client_state = engine.load_checkpoint(DS / "ds_ckpt_stage2")
+    saved = torch.load(path / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert client_state == {"mystep": 6}
+    for n, p in engine.module.named_parameters():
+        assert torch.allclose(p.detach(), saved[n].float(), atol=1e-6), n
+
+
+def test_convert_refuses_a_rank_file_of_another_model_or_an_extra_rank(tmp_path, capsys):
+    mixed = copy("ds_ckpt_stage2", tmp_path)
+    shutil.copy(
+        DS / "ds_ckpt_other/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        mixed / "global_step6",
+    )
+    code, _, err = run(
+        capsys, "convert", "--from-deepspeed", str(mixed), "--out", str(tmp_path / "a")
+    )
+    assert code == 2 and "mixes files of different runs" in one_error(err, "convert")
+    assert not (tmp_path / "a").exists()
+    extra = tmp_path / "extra"
+    shutil.copytree(DS / "ds_ckpt_stage2", extra)
+    step = extra / "global_step6"
+    shutil.copy(
+        step / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        step / "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+    )
+    code, _, err = run(
+        capsys, "convert", "--from-deepspeed", str(extra), "--out", str(tmp_path / "b")
+    )
+    line = one_error(err, "convert")
+    assert code == 2 and "saved by 2 data-parallel ranks" in line
+    assert "extra: zero_pp_rank_2_mp_rank_00_optim_states.pt" in line
+    (step / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    (step / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    code, _, err = run(
+        capsys, "convert", "--from-deepspeed", str(extra), "--out", str(tmp_path / "c")
+    )
+    assert code == 2 and "missing: rank(s) 1" in one_error(err, "convert")
+    # a stage-3 folder with a rank file of a ZeRO-2 run
+    mixed3 = copy("ds_ckpt_stage3", tmp_path)
+    shutil.copy(
+        DS / "ds_ckpt_other/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        mixed3 / "global_step6",
+    )
+    code, _, err = run(
+        capsys, "convert", "--from-deepspeed", str(mixed3), "--out", str(tmp_path / "d")
+    )
+    assert code == 2 and "come from different runs" in one_error(err, "convert")
+
+
+# ------------------------------------------------------------------ BROKEN 2 / 3, MISLEADING 8
+TIERED = [
+    "--model.n_layer",
+    "1",
+    "--model.n_embd",
+    "32",
+    "--model.n_head",
+    "2",
+    "--model.block_size",
+    "16",
+    "--data.micro_batch_size",
+    "2",
+    "--train.steps",
+    "1",
+    "--schedule.warmup_steps",
+    "0",
+    "--logging.progress",
+    "false",
+    "--logging.sample_tokens",
+    "0",
+    "--logging.plot",
+    "false",
+    "--zero.stage",
+    "3",
+    "--zero.offload_param",
+    "nvme",
+    "--zero.offload_optimizer",
+    "nvme",
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """The launcher must refuse before starting any rank."""
+    import zerotrain.comm.launch as launch
+
+    def started(*_a, **_k):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "launch_local", started)
+
+
+def test_bad_nvme_paths_are_one_line_before_ranks_start(tmp_path, capsys, no_launch):
+    (tmp_path / "afile").write_text("a file")
+    for path, why in (
+        (tmp_path / "afile", "it is a file, not a directory"),
+        (tmp_path / "afile" / "sub", "Not a directory"),
+        (Path("/proc/zt_nvme"), "No such file or directory"),
+    ):
+        code, _, err = run(
+            capsys,
+            "train",
+            *TIERED,
+            "--nproc",
+            "2",
+            "--zero.nvme_path",
+            str(path),
+            "--logging.run_dir",
+            str(tmp_path / "run"),
+        )
+        line = one_error(err, "train")
+        assert (
+            code == 2
+            and f"zero.nvme_path {path}: cannot create the run's offload files there ({why})"
+            in line
+        ), line
+
+
+def test_too_small_disk_is_one_line_before_ranks_start(tmp_path, capsys, no_launch, monkeypatch):
+    import zerotrain.run.tier_check as tier_check
+    from zerotrain.config import build_config
+
+    monkeypatch.setattr(tier_check, "free_bytes", lambda _p: 4096)
+    code, _, err = run(
+        capsys,
+        "train",
+        *TIERED,
+        "--nproc",
+        "2",
+        "--zero.nvme_path",
+        str(tmp_path / "swap"),
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+    )
+    line = one_error(err, "train")
+    cfg = build_config(
+        {
+            "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16},
+            "zero": {
+                "stage": 3,
+                "offload_param": "nvme",
+                "offload_optimizer": "nvme",
+                "nvme_path": "x",
+            },
+        }
+    )
+    need = 2 * tier_check.disk_bytes_per_rank(cfg, 2, "cpu")
+    assert need > 4096
+    assert code == 2 and f"need about {need} bytes" in line and "only 4096 bytes" in line
+
+
+def test_tier_error_inside_the_run_is_one_line(tmp_path, capsys):
+    """One process: the engine's own check (a TierError) is a user error, not a traceback."""
+    (tmp_path / "afile").write_text("a file")
+    code, _, err = run(
+        capsys,
+        "train",
+        *TIERED,
+        "--zero.nvme_path",
+        str(tmp_path / "afile" / "sub"),
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+    )
+    assert code == 2 and "cannot create the run's offload files" in one_error(err, "train")
+
+
+def test_muon_with_the_optimizer_on_nvme_is_a_config_error(tmp_path):
+    from zerotrain.config import ConfigError, build_config
+    from zerotrain.deepspeed_config import map_deepspeed
+
+    with pytest.raises(
+        ConfigError,
+        match=r"optimizer\.name muon with zero\.offload_optimizer "
+        r"nvme",
+    ):
+        build_config(
+            {
+                "optimizer": {"name": "muon"},
+                "zero": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)},
+            }
+        )
+    mapped = map_deepspeed(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "Muon", "params": {"lr": 0.02}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            },
+        }
+    )
+    with pytest.raises(ConfigError, match=r"muon with zero\.offload_optimizer nvme"):
+        build_config(mapped.config)
+
+
+@pytest.mark.parametrize(
+    ("zero", "name"),
+    [
+        ({"nvme_path": "/x"}, "zero.nvme_path (/x)"),
+        ({"nvme_threads": 8}, "zero.nvme_threads (8)"),
+        ({"stage": 3, "offload_param": "cpu", "nvme_block_mb": 2.0}, "zero.nvme_block_mb"),
+        ({"offload_prefetch": 3}, "zero.offload_prefetch (3)"),
+    ],
+)
+def test_tier_settings_without_their_tier_are_refused_as_idle(zero, name):
+    from zerotrain.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=re.escape(name)):
+        build_config({"zero": zero})
+    # with their tier they are taken
+    build_config({"zero": {**zero, "stage": 3, "offload_param": "nvme", "nvme_path": "/x"}})
+
+
+# ------------------------------------------------------------------ BROKEN 4
+def test_tensors_in_client_state_round_trip(tmp_path):
+    """DeepSpeed pickles client_state; zerotrain keeps the same values and types
+    without a pickle."""
+    import numpy as np
+
+    engine = mlp_engine(32)
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "mystep": 2,
+        "t": torch.ones(3),
+        "ema": torch.randn(4, 5, generator=gen),
+        "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "rng": gen.get_state(),
+        "np_rng": np.random.default_rng(1).random(4),
+        "py": (1, (2, 3), None),
+        7: "int key",
+        "inf": float("inf"),
+    }
+    engine.save_checkpoint(tmp_path, client_state=state)
+    _, back = mlp_engine(32).load_checkpoint(tmp_path)
+    assert set(back) == set(state)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+        elif isinstance(v, np.ndarray):
+            assert np.array_equal(back[k], v), k
+        else:
+            assert back[k] == v, k
+    with pytest.raises(CheckpointError, match=r"client_state\['o'\] is a builtins.object"):
+        engine.save_checkpoint(tmp_path / "b", client_state={"o": object()})
+
+
+def test_convert_keeps_a_tensor_in_deepspeeds_client_state(tmp_path, capsys):
+    code, _, err = run(
+        capsys,
+        "convert",
+        "--from-deepspeed",
+        str(DS / "ds_ckpt_client_tensor"),
+        "--out",
+        str(tmp_path / "zt"),
+    )
+    assert code == 0, err
+    _, client_state = mlp_engine(32).load_checkpoint(tmp_path / "zt")
+    assert client_state["mystep"] == 2 and torch.equal(client_state["t"], torch.ones(3))
+
+
+# ------------------------------------------------------------------ BROKEN 5, MISLEADING 3 / 9
+def test_convert_user_errors_are_one_line(tmp_path, capsys):
+    src = str(DS / "ds_ckpt_stage2")
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["--from-deepspeed", src, "--out", str(tmp_path / "afile")], "is a file: give a "),
+        (["--from-deepspeed", src, "--out", "/proc/zt_out"], "cannot write there"),
+        (
+            ["--from-deepspeed", src, "--tag", "nope", "--out", str(tmp_path / "n")],
+            "has no DeepSpeed checkpoint tagged 'nope'; its tags: global_step6",
+        ),
+    ]
+    binary = copy("ds_ckpt_stage2", tmp_path)
+    (binary / "latest").write_bytes(b"\x00\xff\xfe")
+    cases.append(
+        (
+            ["--from-deepspeed", str(binary), "--out", str(tmp_path / "o1")],
+            "latest' is damaged (it names no folder: b'\\x00\\xff\\xfe'); its tags: global_step6",
+        )
+    )
+    tensor = tmp_path / "tensor"
+    shutil.copytree(DS / "ds_ckpt_stage2", tensor)
+    torch.save(torch.ones(3), tensor / "global_step6" / "mp_rank_00_model_states.pt")
+    cases.append(
+        (
+            ["--from-deepspeed", str(tensor), "--out", str(tmp_path / "o2")],
+            "is not a DeepSpeed model-states file",
+        )
+    )
+    for argv, want in cases:
+        code, _, err = run(capsys, "convert", *argv)
+        assert code == 2 and want in one_error(err, "convert"), (argv, err)
+    assert not (tmp_path / "n").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_deepspeed_folder_given_to_export_or_resume_names_convert(tmp_path, capsys):
+    src = DS / "ds_ckpt_stage2"
+    hint = (
+        f"is a DeepSpeed checkpoint ('global_step6' holds DeepSpeed's "
+        f"mp_rank_00_model_states.pt), not a zerotrain one: convert it first with "
+        f"zerotrain convert --from-deepspeed {src} --out CKPT"
+    )
+    code, _, err = run(capsys, "export", str(src), "--out", str(tmp_path / "w.safetensors"))
+    assert code == 2 and hint in one_error(err, "export")
+    from zerotrain.checkpoint.io import resolve
+
+    with pytest.raises(CheckpointError, match=re.escape(hint)):
+        resolve(src)
+
+
+# ------------------------------------------------------------------ MISLEADING 6
+def test_resume_at_another_data_parallel_degree_says_the_global_batch_changes():
+    from zerotrain.config import build_config
+    from zerotrain.run.setup import global_batch_change
+
+    sp2 = {
+        "world_size": 2,
+        "config": {
+            "data": {"micro_batch_size": 2, "grad_accum_steps": 1},
+            "sequence": {"parallel": 2},
+        },
+    }
+    cfg = build_config({"data": {"micro_batch_size": 2}})
+    (line,) = global_batch_change(sp2, cfg, dp=2)  # SP 2 -> 1 on the same 2 ranks
+    assert (
+        "the global batch changes from 2 sequences per step (micro-batch 2 × "
+        "accumulation 1 × 1 data-parallel rank(s)) to 4 (2 × 1 × 2)" in line
+    )
+    assert line.endswith("to keep 2, resume with --data.micro_batch_size 1")
+    assert global_batch_change(sp2, cfg, dp=1) == []  # SP 2 -> 1 on one rank: kept
+    two = {"world_size": 2, "config": {"data": {"micro_batch_size": 2, "grad_accum_steps": 1}}}
+    (line,) = global_batch_change(two, cfg, dp=1)  # 2 ranks -> 1 halves it
+    assert "from 4 sequences" in line and "to 2 (2 × 1 × 1)" in line
+    assert "--data.grad_accum_steps 2 or --data.micro_batch_size 4" in line
+    kept = build_config({"data": {"micro_batch_size": 4}})
+    assert global_batch_change(two, kept, dp=1) == []
