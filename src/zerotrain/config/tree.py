@@ -11,6 +11,7 @@ from pydantic import (
 
 from zerotrain.config.base import _Section
 from zerotrain.config.model import DataConfig, ModelConfig
+from zerotrain.config.pairs import pair_problems
 from zerotrain.config.run import (
     CheckpointConfig,
     CommConfig,
@@ -66,25 +67,9 @@ class Config(_Section):
         if s.warmup_start_lr > self.optimizer.lr:
             raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
                              f"optimizer.lr ({self.optimizer.lr})")
-        if self.optimizer.name == "muon" and self.zero.offload_optimizer == "nvme":
-            raise ValueError("optimizer.name muon with zero.offload_optimizer nvme: the disk "
-                             "tier streams elementwise optimizer states unit by unit and Muon "
-                             "updates whole matrices; use zero.offload_optimizer cpu or none "
-                             "with Muon")
-        if self.zero.param_wire == "fp8" and not self.precision.fp8.enabled:
-            raise ValueError("zero.param_wire fp8 sends the FP8 linears' weights; it needs "
-                             "precision.fp8.enabled true (or use zero.param_wire int8)")
-        if self.precision.fp8.all_gather and self.zero.param_wire == "int8":
-            raise ValueError("precision.fp8.all_gather (= zero.param_wire fp8) and "
-                             "zero.param_wire int8 are two wires for the same gather; pick one")
-        zpp = [f for f, on in (("secondary_partition", self.zero.secondary_partition),
-                                ("grad_wire", self.zero.grad_wire != "plain")) if on]
-        if zpp and self.sequence.parallel > 1:
-            raise ValueError(f"zero.{zpp[0]} places groups by node over every rank; it does not "
-                             "combine with sequence.parallel > 1 yet: remove one of them")
-        if self.precision.fp8.all_gather and self.zero.stage != 3:
-            raise ValueError("precision.fp8.all_gather gathers ZeRO-3's sharded weights; it "
-                             f"needs zero.stage 3 (got {self.zero.stage})")
+        pairs = pair_problems(self)  # options that cannot meet: config/pairs.py
+        if pairs:
+            raise ValueError(pairs[0])
         if s.decay_steps is not None and s.kind != "constant":
             end = (s.decay_start if s.decay_start is not None
                    else s.warmup_steps + s.hold_steps) + s.decay_steps
@@ -94,10 +79,6 @@ class Config(_Section):
                     f"after train.steps ({self.train.steps}): the run would stop before "
                     "reaching schedule.min_lr; shorten decay_steps or leave it null")
         m = self.model
-        if m.moe is not None and self.optimizer.name == "muon":
-            raise ValueError("optimizer.name muon with model.moe: Muon would orthogonalise a "
-                             "layer's fused experts [E, 2I, d] as one matrix, not expert by "
-                             "expert; use optimizer.name adamw")
         # block_size only when given: library mode's batches need not follow the default
         # (their length is checked per batch); the CLI checks it at launch too
         check_sequence_parallel(self.sequence.parallel, n_head=m.n_head or None,

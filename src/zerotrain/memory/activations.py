@@ -203,6 +203,20 @@ def activation_parts(model_cfg: ModelConfig, micro_batch: int, seq: int, *,
                                                mask + micro_batch * seq * seq), parts.host)
 
 
+def _head_bytes(n: int, h: int, V: int, ab: int, tile: int, tiled_head: bool,
+                norm: int) -> tuple[int, int, int]:
+    """(saved, peak, acc): what the final norm and head keep, their backward's peak, and
+    the bytes per element of a tile's parameter-gradient sum."""
+    ids = 8 * 2 * n + 4  # token ids, targets, the loss
+    saved = norm + ids + (0 if tiled_head else n * V * STAT)
+    # tiles sum parameter gradients in fp32: below fp32, the fp32 sum and one tile's
+    # product (or the final cast) coexist (models/tiling.py)
+    acc = STAT + ab if ab < STAT else ab
+    if tiled_head:  # one tile's logits + softmax, grad of the hidden states, head weight grad
+        return saved, 2 * tile * V * STAT + n * h * ab + V * h * acc, acc
+    return saved, 2 * n * V * STAT, acc  # log-softmax, its gradient, the logits' gradient
+
+
 def _parts(model_cfg: ModelConfig, micro_batch: int, seq: int, act_bytes: int,
            checkpointing: bool | str | None, tile_tokens: int | None, device: str,
            hf_config: dict[str, Any] | None, sequence_parallel: int) -> Activations:
@@ -230,15 +244,7 @@ def _parts(model_cfg: ModelConfig, micro_batch: int, seq: int, act_bytes: int,
     if c.dropout > 0:  # a mask per dropout (CUDA: 1 byte; CPU keeps a full-dtype noise)
         block += 2 * n * h
         norm += n * h
-    ids = 8 * 2 * n + 4  # token ids, targets, the loss
-    head_saved = norm + ids + (0 if tiled_head else n * V * STAT)
-    # tiles sum parameter gradients in fp32: below fp32, the fp32 sum and one tile's
-    # product (or the final cast) coexist (models/tiling.py)
-    acc = STAT + ab if ab < STAT else ab
-    if tiled_head:  # one tile's logits + softmax, grad of the hidden states, head weight grad
-        head_peak = 2 * tile * V * STAT + n * h * ab + V * h * acc
-    else:  # log-softmax, its gradient, the logits' gradient
-        head_peak = 2 * n * V * STAT
+    head_saved, head_peak, acc = _head_bytes(n, h, V, ab, tile, tiled_head, norm)
     # one block's backward (what joins its saved activations, freed as it goes): in the
     # MLP the residual gradients in and out and the widest [tokens × I] gradient pair;
     # in attention the gradients of the output, q, k, v and the residual (GPT: and the
