@@ -413,3 +413,47 @@ def test_resume_at_another_data_parallel_degree_says_the_global_batch_changes():
     assert "--data.grad_accum_steps 2 or --data.micro_batch_size 4" in line
     kept = build_config({"data": {"micro_batch_size": 4}})
     assert global_batch_change(two, kept, dp=1) == []
+
+
+# ------------------------------------------------------------------ MISLEADING 2
+def test_estimate_max_seq_fits_its_own_predicted_peak(tmp_path, capsys):
+    import json
+
+    from zerotrain.cli.estimate_peaks import peak_at
+    from zerotrain.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {arch: llama, n_layer: 2, n_head: 2, n_embd: 64, "
+        "vocab_size: 4096, block_size: 262144, activation_checkpointing: true}\n"
+        "sequence: {tile_tokens: 512}\ndata: {micro_batch_size: 1}\n"
+        "zero: {stage: 3}\n"
+    )
+    base = ["estimate", "--model", str(path), "--stage", "3", "--device", "cpu", "--json"]
+
+    def longest(limit: str, gpus: str = "2") -> dict:
+        code, out, err = run(capsys, *base, "--gpus", gpus, "--max-seq", "--gpu-mem", limit)
+        assert code == 0, err
+        return json.loads(out)["rows"][0]
+
+    peak = peak_at(load_config(str(path)), 2, 3, device="cpu", micro_batch=1)
+    n = longest("1GiB")["max_seq"]
+    assert n > 0 and peak(n) <= 2**30 < peak(n + 1)
+    code, out, err = run(capsys, *base, "--gpus", "2", "--seq", str(n), "--gpu-mem", "1GiB")
+    assert code == 0, err
+    row = json.loads(out)["rows"][0]
+    assert row["fits"] and max(row["peaks"]["init"], row["peaks"]["steady"]) <= 2**30
+    assert longest("1MB")["max_seq"] == 0  # the CPU runtime alone is hundreds of MB
+    # layouts zerotrain train refuses are refused here too
+    path.write_text(path.read_text().replace("sequence: {", "sequence: {parallel: 2, "))
+    for gpus in ("1", "3"):
+        code, _, err = run(capsys, *base, "--gpus", gpus, "--max-seq", "--gpu-mem", "1GiB")
+        assert code == 2 and "sequence.parallel (2) must divide the world size" in one_error(
+            err, "estimate"
+        )
+    path.write_text(
+        "model: {n_layer: 2, n_head: 2, n_embd: 64, block_size: 256}\n"
+        "data: {document_mask: true, tokenizer: bytes}\n"
+    )
+    code, _, err = run(capsys, *base, "--gpus", "1")
+    assert code == 2 and "byte tokenizer has none" in one_error(err, "estimate")
