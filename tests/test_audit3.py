@@ -457,3 +457,39 @@ def test_estimate_max_seq_fits_its_own_predicted_peak(tmp_path, capsys):
     )
     code, _, err = run(capsys, *base, "--gpus", "1")
     assert code == 2 and "byte tokenizer has none" in one_error(err, "estimate")
+
+
+# ------------------------------------------------------------------ MISLEADING 1
+def test_estimate_disk_bytes_on_a_cpu_are_the_engines(tmp_path, capsys):
+    """The optimizer on NVMe on a CPU: the engine streams the gradient shards through the
+    disk too; `estimate --device cpu` counts them (the engine's tier_bytes for this run,
+    measured with `zerotrain train`: 714,240 B read and written per step; both tiers:
+    1,285,632 read, 714,240 written)."""
+    import json
+
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 64}\n"
+        "data: {micro_batch_size: 2, grad_accum_steps: 2}\n"
+    )
+    for param, read, written in (("none", 714240, 714240), ("nvme", 1285632, 714240)):
+        code, out, err = run(
+            capsys,
+            "estimate",
+            "--model",
+            str(path),
+            "--gpus",
+            "1",
+            "--precision",
+            "fp32",
+            "--device",
+            "cpu",
+            "--offload-param",
+            param,
+            "--offload-optimizer",
+            "nvme",
+            "--json",
+        )
+        assert code == 0, err
+        disk = json.loads(out)["rows"][0]["tier_traffic"]["disk"]
+        assert disk == {"read": read, "written": written}, param

@@ -151,6 +151,7 @@ def _resolve(args: argparse.Namespace) -> dict:
         "activations": 0, "largest_unit": 0,
         "offload_prefetch": pick(args.offload_prefetch, lambda: cfg.zero.offload_prefetch, 1),
         "micro_steps": pick(args.grad_accum, lambda: cfg.data.grad_accum_steps, 1),
+        "device": args.device,  # --model resolves it below when not given
     }
     if not 0 <= s["offload_prefetch"] <= 8 or s["micro_steps"] < 1:
         raise UsageError(f"--offload-prefetch must be 0-8 and --grad-accum >= 1; got "
