@@ -493,3 +493,47 @@ def test_estimate_disk_bytes_on_a_cpu_are_the_engines(tmp_path, capsys):
         assert code == 0, err
         disk = json.loads(out)["rows"][0]["tier_traffic"]["disk"]
         assert disk == {"read": read, "written": written}, param
+
+
+# ------------------------------------------------------------------ MISLEADING 7
+def test_a_damaged_swap_file_is_named_not_blamed_on_the_lr(tmp_path, capsys, monkeypatch):
+    """The optimizer's swap file overwritten mid-run (as a failing disk or another process
+    would): the run stops with one line that names the file."""
+    import zerotrain.run.loop as loop
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    real = loop.train_step
+    damaged = []
+
+    def step_then_damage(run):
+        out = real(run)
+        if run.engine.global_step == 2:
+            for tier in run.engine.strategy.moving_tiers():
+                size = tier.file.stat().st_size
+                tier.file.write_bytes(b"\xff" * size)  # NaN in every float
+                damaged.append(str(tier.file))
+        return out
+
+    monkeypatch.setattr(loop, "train_step", step_then_damage)
+    argv = [*TIERED[:-4], "--zero.offload_optimizer", "nvme", "--train.steps", "4"]
+    code, _, err = run(
+        capsys,
+        "train",
+        *argv,
+        "--zero.nvme_path",
+        str(tmp_path / "swap"),
+        "--data.path",
+        str(corpus),
+        "--logging.eval_every",
+        "0",
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+    )
+    line = one_error(err, "train")
+    assert (
+        code == 2
+        and damaged
+        and "suspect the offload swap file rather than the learning rate" in line
+        and damaged[0] in line
+    ), line
