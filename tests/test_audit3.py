@@ -537,3 +537,45 @@ def test_a_damaged_swap_file_is_named_not_blamed_on_the_lr(tmp_path, capsys, mon
         and "suspect the offload swap file rather than the learning rate" in line
         and damaged[0] in line
     ), line
+
+
+# ------------------------------------------------------------------ MISLEADING 4
+def test_a_converted_checkpoint_of_another_model_is_described_by_its_parameters(tmp_path, capsys):
+    assert (
+        run(
+            capsys,
+            "convert",
+            "--from-deepspeed",
+            str(DS / "ds_ckpt_stage2"),
+            "--out",
+            str(tmp_path / "conv"),
+        )[0]
+        == 0
+    )
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 300)
+    code, _, err = run(
+        capsys,
+        "train",
+        "--model.n_layer",
+        "2",
+        "--model.n_embd",
+        "32",
+        "--model.n_head",
+        "2",
+        "--model.block_size",
+        "16",
+        "--data.path",
+        str(corpus),
+        "--resume",
+        str(tmp_path / "conv"),
+        "--logging.run_dir",
+        str(tmp_path / "r"),
+        "--train.steps",
+        "2",
+        "--schedule.warmup_steps",
+        "0",
+    )
+    line = one_error(err, "train")
+    assert code == 2 and "not built from a model: section" in line
+    assert "fc1.weight [32, 16]" in line and "model.n_layer" not in line, line
