@@ -579,3 +579,16 @@ def test_a_converted_checkpoint_of_another_model_is_described_by_its_parameters(
     line = one_error(err, "train")
     assert code == 2 and "not built from a model: section" in line
     assert "fc1.weight [32, 16]" in line and "model.n_layer" not in line, line
+
+
+# ------------------------------------------------------------------ MISLEADING 8
+def test_gathered_parameters_with_a_rank_outside_the_job_is_refused():
+    engine = mlp_engine(32)
+    params = list(engine.module.parameters())
+    with (
+        pytest.raises(ValueError, match=r"modifier_rank=5\): the job has 1 rank\(s\), 0 to 0"),
+        deepspeed.zero.GatheredParameters(params, modifier_rank=5),
+    ):
+        pass
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+        pass
