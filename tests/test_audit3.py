@@ -5,6 +5,7 @@ tensors in client_state kept, and no silent change of what a run trains on."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -592,3 +593,106 @@ def test_gathered_parameters_with_a_rank_outside_the_job_is_refused():
         pass
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
         pass
+
+
+# ------------------------------------------------------------------ MISLEADING 5 / 9
+def test_a_rank_whose_peer_died_ends_without_a_traceback():
+    import subprocess
+    import sys
+
+    code = (
+        "from zerotrain.comm.launch import quiet_when_peer_gone; quiet_when_peer_gone(); "
+        "raise RuntimeError('[pair.cc:553] Connection closed by peer [127.0.0.1]:2')"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"},
+    )
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == (
+        "-c: rank 0 of 2 stopped: another rank closed its connection "
+        "(that rank's own error is the cause)"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code.replace("Connection closed by peer", "a bug")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" in other.stderr  # the script's own errors print as always
+
+
+def test_sigterm_to_the_launcher_says_nothing_was_saved():
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "from zerotrain.comm.launch import launch_local; import sys; "
+        "sys.exit(launch_local(2, [], module='stuck_rank'))"
+    )
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = p.stderr.read()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("zerotrain: stopped by SIGTERM; this stop saved no checkpoint")
+    ), err
+
+
+def test_launch_hints_name_the_problem(tmp_path, capsys):
+    code, _, err = run(capsys, "launch", "--nproc", "2")
+    assert code == 2 and "give the training script to run" in one_error(err, "launch")
+    code, _, err = run(capsys, "launch", str(tmp_path))
+    assert code == 2 and f"script '{tmp_path}' is a directory" in one_error(err, "launch")
+
+
+def test_a_bad_deepspeed_config_file_is_named_and_a_malicious_pickle_names_its_global(tmp_path):
+    from zerotrain.config import ConfigError
+    from zerotrain.deepspeed.checkpoint import read
+
+    bad = tmp_path / "ds.json"
+    bad.write_text(
+        '{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 7},'
+        ' "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}'
+    )
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=re.escape(f"DeepSpeed config '{bad}': 1 setting")):
+        deepspeed.initialize(model=net, model_parameters=net.parameters(), config=str(bad))
+
+    ran = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {ran}",)
+
+    torch.save({"module": {}, "x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(
+        CheckpointError,
+        match=r"posix\.system is not on the allow-list \(its "
+        r"module is blocked\); nothing in it ran",
+    ):
+        read(tmp_path / "evil.pt")
+    (tmp_path / "noise.pt").write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(CheckpointError, match="the file is damaged or not a DeepSpeed"):
+        read(tmp_path / "noise.pt")
+    assert not ran.exists()

@@ -36,9 +36,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if not launched_by_torchrun():
         return
     if os.environ.get("ZEROTRAIN_LAUNCHER_PID"):  # started by `zerotrain launch`
+        from zerotrain.comm.launch import quiet_when_peer_gone
         from zerotrain.run.lifecycle import die_with_parent
 
         die_with_parent()
+        quiet_when_peer_gone()
     seconds = int(timeout.total_seconds()) if timeout is not None else 1800
     engine.OPENED_GROUP = _init_distributed("auto", dist_backend or "auto", seconds).owns_group
 
