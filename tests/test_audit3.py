@@ -5,6 +5,7 @@ tensors in client_state kept, and no silent change of what a run trains on."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -696,3 +697,39 @@ def test_a_bad_deepspeed_config_file_is_named_and_a_malicious_pickle_names_its_g
     with pytest.raises(CheckpointError, match="the file is damaged or not a DeepSpeed"):
         read(tmp_path / "noise.pt")
     assert not ran.exists()
+
+
+# ------------------------------------------------------------------ MISLEADING 10
+def test_the_step_phase_prediction_shows_its_own_peak_beside_the_high_water_mark():
+    """On a CPU the step phase was printed as backward's high-water mark only (733 MiB)
+    while the step measured 99 MiB (memory returned by host_mmap_mb): the line shows the
+    step's own peak too."""
+    from zerotrain.config import build_config
+    from zerotrain.memory import phase_estimates
+    from zerotrain.models import build_model, plan_for
+    from zerotrain.run.report import phase_text
+    from zerotrain.zero import run_shape, strategy_class
+
+    cfg = build_config(
+        {
+            "model": {"n_layer": 2, "n_embd": 256, "n_head": 4, "block_size": 64},
+            "zero": {"stage": 3},
+        }
+    )
+    model = build_model(cfg.model, device="meta")
+    shape = run_shape(strategy_class(cfg.zero), cfg, model, plan_for(model), "cpu", 2)
+    acts = 600 * 2**20
+    high, own = (
+        phase_estimates(shape, acts),
+        phase_estimates(dataclasses.replace(shape, high_water=False), acts),
+    )
+    assert high["step"] == high["backward"] and own["step"] < own["backward"] - acts
+    mib = 2**20
+    ph = {
+        "measured": {"backward": 700 * mib, "step": 99 * mib},
+        "predicted": {k: high[k] for k in ("backward", "step")},
+        "predicted_low": {k: own[k] for k in ("backward", "step")},
+    }
+    line = phase_text(ph, True, cpu=True)
+    assert f"step 99.0 / {own['step'] / mib:.1f}–{high['step'] / mib:.1f}" in line, line
+    assert "the phase's own peak if freed memory returns to the OS" in line
