@@ -408,13 +408,15 @@ def test_resume_at_another_data_parallel_degree_says_the_global_batch_changes():
         "accumulation 1 × 1 data-parallel rank(s)) to 4 (2 × 1 × 2)" in line
     )
     assert line.endswith("to keep 2, resume with --data.micro_batch_size 1")
-    assert global_batch_change(sp2, cfg, dp=1) == []  # SP 2 -> 1 on one rank: kept
+    assert global_batch_change(sp2, cfg, dp=1) == []  # SP 2 -> 1 on one rank: DP 1 both
     two = {"world_size": 2, "config": {"data": {"micro_batch_size": 2, "grad_accum_steps": 1}}}
     (line,) = global_batch_change(two, cfg, dp=1)  # 2 ranks -> 1 halves it
     assert "from 4 sequences" in line and "to 2 (2 × 1 × 1)" in line
     assert "--data.grad_accum_steps 2 or --data.micro_batch_size 4" in line
     kept = build_config({"data": {"micro_batch_size": 4}})
-    assert global_batch_change(two, kept, dp=1) == []
+    (line,) = global_batch_change(two, kept, dp=1)
+    assert line.startswith("[zerotrain] the global batch is kept: 4 sequences per step")
+    assert global_batch_change(two, cfg, dp=2) == []
 
 
 # ------------------------------------------------------------------ MISLEADING 2

@@ -368,7 +368,10 @@ def global_batch_change(meta: dict, cfg: Config, dp: int) -> list[str]:
     mb, acc = cfg.data.micro_batch_size, cfg.data.grad_accum_steps
     new = mb * acc * dp
     if new == old:
-        return []
+        return [] if old_dp == dp else [
+            f"[zerotrain] the global batch is kept: {new} sequences per step (micro-batch "
+            f"{mb} × accumulation {acc} × {dp} data-parallel rank(s); the checkpoint's run "
+            f"had {old_dp} rank(s))"]
     fixes = []
     if old % (mb * dp) == 0:
         fixes.append(f"--data.grad_accum_steps {old // (mb * dp)}")
