@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The one-call GPU check (issue 21): what a single lent GPU can prove, in <= 8 minutes.
+# The one-call GPU check (issue 21, docs/gpu-check.md): what a single lent GPU can prove,
+# in <= 8 minutes.
 #   bash bench/gpu_check.sh [--dry-run] [--budget S] [--sections env probes ...]
 #                           [--out DIR] [--wheels DIR] [--preset llama-1b]
-# Sections, each with its own time cap, in this order (FP8 early, perf last):
-#   env, setup, probes, fp8, race, init_mem, pytest, cli, stages, perf
+# Sections, each with its own time cap, in this order; the default (one GPU, 450 s of caps
+# = the default budget) is env .. pytest; --sections adds cli, stages (>= 2 GPUs) and perf,
+# and the caps of what is asked for are scaled to fit the budget together:
+#   env, setup, probes, review3, race, fp8, init_mem, pytest | cli, stages, perf
 # (bench/gpu_check.py says what each one proves). A failure or a hang costs its own
 # section only; the table says which claims one GPU cannot test ("needs >= 2 GPUs").
 # Results: --out, else $GPU_CHECK_OUT, else $OUT (the device tool's return folder), else
@@ -15,8 +18,11 @@
 # venv (pip -c constraints.txt) from the package index, or offline from --wheels DIR /
 # $ZEROTRAIN_WHEELS / .whl. Where pip works, this fetches the wheels a GPU image lacks:
 #   bash bench/gpu_check.sh --fetch-wheels     (WHEEL_PY=3.12 by default)
-# On the device tool (one H200, no network), after --fetch-wheels here:
-#   run(command="bash bench/gpu_check.sh --budget 480", carry=[".whl"], timeout_s=570)
+# The one-call recipe (one H200, no network there, 15 device-minutes for a call and a rerun):
+#   1. here:  bash bench/gpu_check.sh --fetch-wheels      (creates .whl/, git-ignored)
+#   2. here:  bash bench/gpu_check.sh --dry-run           (optional: the script on CPU)
+#   3. device: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=510)
+#   4. give_back at once, unless a rerun follows (450 s of sections + ~60 s of start-up).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fetch-wheels" ]; then
@@ -28,7 +34,9 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     || exit 1
   excl=$(git rev-parse --git-path info/exclude)  # never committed: carried by hand
   grep -qx '/.whl/' "$excl" 2>/dev/null || echo '/.whl/' >> "$excl"
-  ls .whl; exit 0
+  ls .whl
+  echo 'now: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=510)'
+  exit 0
 fi
 DRY=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && DRY=1; done

@@ -43,7 +43,8 @@ def section_cli(ctx: Ctx) -> None:
     code, text = ctx.run([*base, *launcher, "--train.steps", str(steps),
                           "--logging.eval_every", "2", "--comm.check_lockstep", "true",
                           "--logging.sample_tokens", "16", "--logging.run_dir", str(full),
-                          "--logging.overwrite", "true"], 60)
+                          "--logging.overwrite", "true"],
+                         WHOLE if ctx.dry else 60)  # the dry run: 2 shared cores, slow
     summary = _summary(full)
     ok = code == 0 and summary is not None and (full / "sample.txt").is_file()
     backend = "gloo" if ctx.dry else "NCCL"
@@ -91,7 +92,8 @@ def section_stages(ctx: Ctx) -> None:
     common = ["--out", str(out), "--batch-world", str(world), *_dry(ctx),
               *(["--steps", "3"] if ctx.dry else [])]
     worker = BENCH / "gpu_check_workers.py"
-    code, text = ctx.ranks(1, worker, ["stages", "--reference", *common], 60)
+    code, text = ctx.ranks(1, worker, ["stages", "--reference", *common],
+                           WHOLE if ctx.dry else 60)
     ref = read_json(out / "stages_ref.json")
     if not (ref and ref.get("ok")):
         failed(ctx, "stages", "one-process reference", code, text)

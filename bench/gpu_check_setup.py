@@ -17,8 +17,16 @@ def section_env(ctx: Ctx) -> None:
     rep = ctx.rep
     smi = shutil.which("nvidia-smi")
     if smi:
-        code, text = ctx.run([smi, "-L"], 15)
+        code, text = ctx.run([smi, "-L"], 10)
         rep.add("env", "nvidia-smi -L", "INFO" if code == 0 else "FAIL", last_line(text))
+        code, text = ctx.run([smi, "--query-gpu=compute_mode,driver_version",
+                              "--format=csv,noheader"], 10)
+        mode = last_line(text)
+        # init_mem puts 8 processes on the one GPU: Exclusive_Process refuses the second
+        rep.add("env", "compute mode, driver", "INFO" if code == 0 and "Default" in mode
+                else "FAIL" if code == 0 else "INFO",
+                mode + ("" if "Default" in mode or code else
+                        ": init_mem needs Default (8 processes share the GPU)"))
     elif not ctx.dry:
         rep.add("env", "nvidia-smi", "FAIL", "not on PATH")
     code, text = ctx.run([ctx.py, "-c", ENV_PROBE], 60)
@@ -36,6 +44,14 @@ def section_env(ctx: Ctx) -> None:
     rep.add("env", "torch / CUDA / NCCL", "INFO",
             f"python {info['python_version']}, torch {info['torch']}, CUDA {info['cuda']}, "
             f"NCCL {info['nccl']}, {info['gpus_text']}")
+    py = tuple(int(x) for x in info["python_version"].split(".")[:2])
+    if py < (3, 11):  # pyproject's requires-python; deps.py reads it with tomllib (3.11)
+        rep.add("env", "python", "FAIL", f"{ctx.py} is python {info['python_version']}: "
+                "zerotrain needs >= 3.11 (set PYTHON=/path/to/python3.11+)")
+        ctx.blocked = f"python {info['python_version']} < 3.11"
+    code, text = ctx.run(["df", "-T", str(ctx.work)], 10)
+    rep.add("env", "scratch disk (the NVMe tier's files)", "INFO",
+            f"{ctx.work}: {last_line(text)}" if code == 0 else f"df: {last_line(text)}")
     if ctx.dry:
         rep.add("env", "dry run", "INFO", "CPU: gloo ranks, tiny sizes, stand-ins named "
                 "per row; nothing here is a GPU result")

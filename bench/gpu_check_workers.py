@@ -8,8 +8,9 @@
 stages: every ZeRO stage and Offload, fp32 (TF32 off) and bf16, a few steps of a small
         GPT on a fixed global batch; rank 0 saves each run's final full parameters and
         losses (`stages.pt`; `stages_ref.pt` for the one-process stage-0 reference), so
-        the driver can hold them against one process. At N >= 2 also N1 end to end
-        (ZeRO-3 with the FP8 all-gather: REPRODUCED / FIXED). --dry-run: fewer cases.
+        the driver can hold them against one process. At N >= 2 also N1 and W-1 end to
+        end (ZeRO-3 with the FP8 all-gather, 32 steps against plain FP8 bit for bit:
+        REPRODUCED / FIXED). --dry-run: fewer cases.
 perf:   one system on a 1-3B model built on the meta device (zerotrain's engine
         materialises it; FSDP2 gets to_empty + the model's init_param): step time, peak and
         after-init torch.cuda.max_memory_allocated.
@@ -97,9 +98,9 @@ def train_small(overrides: dict, steps: int, device: str, rows: int) -> dict:
     return {"losses": losses, "params": params, "facts": facts}
 
 
-N1_CASE = ("stage 3 + fp8 all-gather (N1)",
-           {"zero": {"stage": 3}, "precision": {"dtype": "bf16",
-                                                "fp8": {"enabled": True, "all_gather": True}}})
+N1_CASE = ("stage 3 + fp8 all-gather (N1; W-1: 32 steps vs plain FP8)",
+           {"zero": {"stage": 3}, "optimizer": {"lr": 1e-2},
+            "precision": {"dtype": "bf16", "fp8": {"enabled": True, "recipe": "tensorwise"}}})
 
 
 def job_stages(args: argparse.Namespace) -> dict:
@@ -128,21 +129,31 @@ def job_stages(args: argparse.Namespace) -> dict:
 
 
 def n1_end_to_end(args: argparse.Namespace, device: str) -> dict:
-    """N1 at N ranks: ZeRO-3 with the FP8 all-gather trains (FIXED) or dies at init with
-    torch.stack mixing devices (REPRODUCED). On CPU ranks nothing can mix (INFO)."""
+    """N1 and W-1 at N ranks. N1: ZeRO-3 with the FP8 all-gather died at init with
+    torch.stack mixing devices. W-1: a rank refreshed the scale of a weight it holds no
+    piece of only once, so the gathered weights drift from plain FP8 after the first
+    power-of-two change of its amax. Tensorwise power-of-two scales make the two runs
+    equal bit for bit when correct: 32 steps at full learning rate (8 in the dry run,
+    where CPU ranks show W-1 as well)."""
+    steps, rows = (8 if args.dry_run else 32), PER_RANK * args.batch_world
+    wired = deep_merge(N1_CASE[1], {"precision": {"fp8": {"all_gather": True}}})
     try:
-        res = train_small(N1_CASE[1], 2, device, PER_RANK * args.batch_world)
+        got = train_small(wired, steps, device, rows)
     except Exception as e:
         text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         mixed = "device" in text and ("stack" in traceback.format_exc()
                                       or "same device" in text)
-        return {"status": "REPRODUCED" if mixed else "FAIL", "error": text}
-    ok = all(x == x for x in res["losses"])
-    if device == "cpu":
-        return {"status": "INFO", "error": "CPU ranks: no device to mix (no stand-in for "
-                f"N1 here; probes has one); trained, losses {res['losses']}"}
-    return {"status": "FIXED" if ok else "FAIL",
-            "error": f"trained 2 steps at N={dist.get_world_size()}, losses {res['losses']}"}
+        return {"status": "REPRODUCED" if mixed else "FAIL", "error": f"N1: {text}"}
+    want = train_small(N1_CASE[1], steps, device, rows)
+    diff = max(float((got["params"][k] - v).abs().max()) for k, v in want["params"].items())
+    first = next((i + 1 for i, (a, b) in enumerate(zip(got["losses"], want["losses"]))
+                  if a != b), None)
+    same = diff == 0 and first is None
+    return {"status": "FIXED" if same else "REPRODUCED",
+            "error": f"N1 fixed (built and trained at N={dist.get_world_size()}); W-1 "
+                     f"{'fixed' if same else 'reproduced'}: {steps} steps with the FP8 "
+                     f"all-gather vs plain FP8, first differing loss at step {first}, max "
+                     f"|param diff| {diff:.3g} (bitwise expected)"}
 
 
 # ----------------------------------------------------------------------------- perf

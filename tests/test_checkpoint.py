@@ -13,8 +13,6 @@ import torch
 from safetensors.torch import load_file
 
 from zerotrain.checkpoint import CheckpointError, consolidate, export, resolve
-from zerotrain.checkpoint.io import read_meta
-from zerotrain.checkpoint.reshard import SavedShards
 from zerotrain.engine import Engine
 from zerotrain.models.gpt import GPT
 from zerotrain.run.loop import train
@@ -25,9 +23,6 @@ from zero_harness import batches, local_batch, make_config, run_config, train_lo
 
 def _train_cfg(tmp_path, run: str, steps: int, **extra):
     return run_config(tmp_path, run, steps, warmup=3, every=4, keep=5, **extra)
-
-
-
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -52,9 +47,11 @@ def _resume_ranks(tmp, stage):
     return train_losses(tmp / f"full{stage}"), train_losses(tmp / f"part{stage}")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_resume_is_bit_exact_sharded(tmp_path, stage):
-    a, b = run_ranks(_resume_ranks, 2, tmp_path, stage)[0]
+def test_resume_is_bit_exact_sharded(tmp_path):
+    """The application's resume (data position, schedule, RNG) at 2 ranks, stage 3. Stage
+    2 and the other stages and world sizes: the Engine's save/load in
+    test_checkpoint_matrix.py, bit for bit (docs/testing.md)."""
+    a, b = run_ranks(_resume_ranks, 2, tmp_path, 3)[0]
     assert all(a[s] == b[s] for s in range(5, 9)), (a, b)
 
 
@@ -82,8 +79,11 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     cfg = _train_cfg(tmp_path, "killed", 12)
     f = tmp_path / "cfg.json"
     f.write_text(json.dumps(cfg.to_dict()))
-    r = subprocess.run([sys.executable, "-c", _KILLER, str(f)], capture_output=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLER, str(f)],
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 9, r.stderr.decode()[-2000:]
     root = tmp_path / "killed" / "checkpoints"
     assert (root / "step_00000008.tmp").exists()  # the interrupted save
@@ -107,55 +107,15 @@ def _train_engine(cfg, steps):
     return eng
 
 
-def _save_sharded(path, stage, dtype):
-    cfg = make_config({"zero": {"stage": stage}, "precision": {"dtype": dtype}}, 2, 10)
-    eng = _train_engine(cfg, 5)
-    eng.save_checkpoint(path)
-    from zero_harness import full_params
-
-    return full_params(eng)
-
-
-def _loss_after_resume(path, stage, world, steps):
-    cfg = make_config({"zero": {"stage": stage}}, world, 10)
-    torch.manual_seed(99)  # different init: everything must come from the checkpoint
+def _save_one(path, stage, dtype):
+    """One process: train 5 steps and save (the matrix covers 2 and 3 ranks)."""
+    cfg = make_config({"zero": {"stage": stage}, "precision": {"dtype": dtype}}, 1, 10)
+    torch.manual_seed(0)
     eng = Engine(GPT(cfg.model), cfg, torch.device("cpu"))
-    eng.load_checkpoint(path)
-    from zerotrain.comm.dist import world as w
-
-    rank, n = w()
-    b = cfg.data.micro_batch_size
-    losses = []
-    for i, (X, Y) in enumerate(batches(5 + steps)):
-        if i < 5:
-            continue
-        loss = eng(*local_batch(X, Y, rank, 2, b))
-        losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
-        eng.backward(loss)
+    for X, Y in batches(5):
+        eng.backward(eng(X, Y))
         eng.step()
-    return losses
-
-
-def test_reshard_across_stages_and_world_sizes(tmp_path):
-    ck = tmp_path / "ck"
-    params = run_ranks(_save_sharded, 2, ck, 2, "fp32")[0]
-    weights, meta = consolidate(ck)
-    assert meta["layout"]["world_size"] == 2
-    saved = SavedShards(resolve(ck), read_meta(resolve(ck)))
-    for k, v in params.items():
-        assert torch.equal(weights[k], v), k
-        assert saved.state_names([k]) == ["exp_avg", "exp_avg_sq", "step"]
-        assert float(saved.scalars[("step", k)]) == 5
-        # a state read back in two halves equals the whole
-        n = v.numel()
-        whole = saved.read("exp_avg", k, 0, n)
-        assert torch.equal(torch.cat([saved.read("exp_avg", k, 0, n // 2),
-                                      saved.read("exp_avg", k, n // 2, n)]), whole)
-    # the same continuation from 1 rank / ZeRO-0, 1 rank / ZeRO-3, 3 ranks / ZeRO-1
-    ref = _loss_after_resume(ck, 0, 1, 3)
-    z3 = _loss_after_resume(ck, 3, 1, 3)
-    z1 = run_ranks(_loss_after_resume, 3, ck, 1, 3, 3)[0]
-    assert ref == pytest.approx(z3, rel=1e-5) and ref == pytest.approx(z1, rel=1e-5)
+    eng.save_checkpoint(path)
 
 
 def _continue(eng, steps):
@@ -196,8 +156,10 @@ def test_per_parameter_optimizer_cut_resumes_into_flat_cut(tmp_path, monkeypatch
 
 
 def test_export_roundtrip(tmp_path):
+    """A bf16 ZeRO-3 checkpoint exports its fp32 masters, loadable strictly by the plain
+    model. (Exports of every stage at 1-3 ranks: test_checkpoint_matrix.py.)"""
     ck = tmp_path / "ck"
-    run_ranks(_save_sharded, 2, ck, 3, "bf16")
+    _save_one(ck, 3, "bf16")
     out = export(ck, tmp_path / "model.safetensors")
     cfg = make_config({}, 1, 10)
     fresh = GPT(cfg.model)
@@ -229,14 +191,20 @@ def test_bad_checkpoints(tmp_path):
         Engine(GPT(other.model), other).load_checkpoint(ck)
     meta_file = resolve(ck) / "meta.json"
     good = meta_file.read_text()
-    for fmt, says in ((1, r"format 1, which this zerotrain no longer reads; export its "
-                          r"weights .* --model\.init_from weights\.safetensors"),
-                      (3, "format 3, this zerotrain reads format 2")):
+    for fmt, says in (
+        (
+            1,
+            r"format 1, which this zerotrain no longer reads; export its "
+            r"weights .* --model\.init_from weights\.safetensors",
+        ),
+        (3, "format 3, this zerotrain reads format 2"),
+    ):
         meta_file.write_text(json.dumps(dict(json.loads(good), format=fmt)))
         with pytest.raises(CheckpointError, match=says):
             Engine(GPT(cfg.model), cfg).load_checkpoint(ck)
-    meta_file.write_text(json.dumps({k: v for k, v in json.loads(good).items()
-                                     if k != "checksums"}))
+    meta_file.write_text(
+        json.dumps({k: v for k, v in json.loads(good).items() if k != "checksums"})
+    )
     with pytest.raises(CheckpointError, match="is damaged: it lacks checksums"):
         Engine(GPT(cfg.model), cfg).load_checkpoint(ck)
     meta_file.write_text(good)
@@ -245,11 +213,34 @@ def test_bad_checkpoints(tmp_path):
         Engine(GPT(cfg.model), cfg).load_checkpoint(ck)
 
 
-_LLAMA = ["--model.arch", "llama", "--model.n_layer", "2", "--model.n_embd", "32",
-          "--model.n_head", "2", "--model.block_size", "32", "--data.micro_batch_size", "4",
-          "--schedule.warmup_steps", "0", "--checkpoint.every", "2", "--logging.eval_every",
-          "0", "--logging.sample_tokens", "0", "--logging.progress", "false",
-          "--logging.log_every", "1", "--train.threads", "1"]
+_LLAMA = [
+    "--model.arch",
+    "llama",
+    "--model.n_layer",
+    "2",
+    "--model.n_embd",
+    "32",
+    "--model.n_head",
+    "2",
+    "--model.block_size",
+    "32",
+    "--data.micro_batch_size",
+    "4",
+    "--schedule.warmup_steps",
+    "0",
+    "--checkpoint.every",
+    "2",
+    "--logging.eval_every",
+    "0",
+    "--logging.sample_tokens",
+    "0",
+    "--logging.progress",
+    "false",
+    "--logging.log_every",
+    "1",
+    "--train.threads",
+    "1",
+]
 
 
 def _ckpt_bytes(path) -> int:
@@ -257,10 +248,11 @@ def _ckpt_bytes(path) -> int:
 
 
 @pytest.mark.slow
-def test_cli_two_rank_stage0_checkpoint_exports_and_resumes_at_one_and_three(tmp_path):
+def test_cli_two_rank_stage0_checkpoint_exports_and_resumes_at_one(tmp_path, capsys):
     """The new user's path: `train --nproc 2` at the default stage 0 (DDP), then `export`
-    (plain and --format hf) and `--resume` at 1 and 3 ranks. Each rank wrote its slice of
-    the replicated state, so the checkpoint is the 1-rank one's size up to metadata."""
+    (plain and --format hf) and `--resume` at 1 rank (resharded). Each rank wrote its
+    slice of the replicated state, so the checkpoint is the 1-rank one's size up to
+    metadata. (Resuming it at 3 ranks: the matrix's z0-w2 -> world 3 pairs.)"""
     import math
 
     from zerotrain.cli import main
@@ -271,10 +263,26 @@ def test_cli_two_rank_stage0_checkpoint_exports_and_resumes_at_one_and_three(tmp
     args = [*_LLAMA, "--data.path", corpus(tmp_path)]
 
     def launch(run: str, nproc: int, steps: int, *extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "zerotrain", "train", *args, "--nproc",
-                               str(nproc), "--train.steps", str(steps), "--logging.run_dir",
-                               str(tmp_path / run), *extra], capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "zerotrain",
+                "train",
+                *args,
+                "--nproc",
+                str(nproc),
+                "--train.steps",
+                str(steps),
+                "--logging.run_dir",
+                str(tmp_path / run),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
     r = launch("two", 2, 2)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -288,26 +296,41 @@ def test_cli_two_rank_stage0_checkpoint_exports_and_resumes_at_one_and_three(tmp
         flat = torch.cat([f[f"strategy.master.{i}"] for f in files])
         assert flat.numel() == unit["padded_numel"]  # on disk once, not once per rank
         for name, shape, off, _g in unit["params"]:
-            want[name] = flat[off:off + math.prod(shape)].view(shape)
+            want[name] = flat[off : off + math.prod(shape)].view(shape)
     assert main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "m.safetensors")]) == 0
     got = load_file(str(tmp_path / "m.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
-    assert main(["export", str(tmp_path / "two"), "--format", "hf",
-                 "--out", str(tmp_path / "hf")]) == 0
+    assert (
+        main(["export", str(tmp_path / "two"), "--format", "hf", "--out", str(tmp_path / "hf")])
+        == 0
+    )
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert all(torch.equal(got[hf_name("llama", k)[0]], v) for k, v in want.items())
-    # resumed at one rank (in this process) and at three
-    assert main(["train", *args, "--train.steps", "4", "--logging.run_dir",
-                 str(tmp_path / "one"), "--resume", str(tmp_path / "two")]) == 0
-    r = launch("three", 3, 4, "--resume", str(tmp_path / "two"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from" in r.stdout and "at step 2 (resharded)" in r.stdout
-    for run in ("one", "three"):
-        losses = train_losses(tmp_path / run)
-        assert sorted(losses) == [3, 4] and all(math.isfinite(v) for v in losses.values())
-    # sizes: each extra rank adds its RNG state (5 KiB), its JSON and a safetensors header
-    one, two, three = (_ckpt_bytes(tmp_path / run) for run in ("one", "two", "three"))
-    assert 0 < two - one < 10_000 and 0 < three - two < 10_000, (one, two, three)
+    # resumed at one rank, in this process (at 3 ranks: test_checkpoint_matrix.py's
+    # z0-w2 -> world 3 pairs, the state bit for bit)
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "train",
+                *args,
+                "--train.steps",
+                "4",
+                "--logging.run_dir",
+                str(tmp_path / "one"),
+                "--resume",
+                str(tmp_path / "two"),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 2 (resharded)" in out
+    losses = train_losses(tmp_path / "one")
+    assert sorted(losses) == [3, 4] and all(math.isfinite(v) for v in losses.values())
+    # sizes: the extra rank adds its RNG state (5 KiB), its JSON and a safetensors header
+    one, two = (_ckpt_bytes(tmp_path / run) for run in ("one", "two"))
+    assert 0 < two - one < 10_000, (one, two)
 
 
 def test_prune_and_resolve_decode_latest_the_same_way(tmp_path):

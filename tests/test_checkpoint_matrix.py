@@ -51,8 +51,12 @@ from zero_harness import batches, full_params, local_batch, make_config
 BEFORE, AFTER = 2, 1  # steps before the save, steps after it
 WORLDS = (1, 2, 3)
 STAGES = (0, 1, 2, 3)
-SOURCES = [(stage, off, muon) for stage in STAGES
-           for off in ((False, True) if stage >= 2 else (False,)) for muon in (False, True)]
+SOURCES = [
+    (stage, off, muon)
+    for stage in STAGES
+    for off in ((False, True) if stage >= 2 else (False,))
+    for muon in (False, True)
+]
 MUON = {"optimizer": {"name": "muon", "lr": 0.02}}
 # Worst per-tensor ‖resumed − uninterrupted‖ / ‖uninterrupted‖ where the topology
 # changes. The loaded state is exact (check 1), so only the order gradients are summed in
@@ -116,13 +120,18 @@ def state_pieces(eng: Engine) -> list[tuple]:
     out = []
     for u in s.units:
         lo, hi = s.opt_range(u)
-        out += [("master", p, a, b, u.master[o:o + b - a].clone())
-                for p, a, b, o in _meets(units[u.index], lo, hi)]
+        out += [
+            ("master", p, a, b, u.master[o : o + b - a].clone())
+            for p, a, b, o in _meets(units[u.index], lo, hi)
+        ]
     for seg, view in s.opt_segments:
         for kind, v in eng.optimizer.state.get(view, {}).items():
             for p, a, b, o in _meets(units[seg.unit], seg.start, seg.end):
-                out.append(("step", p, 0, 1, torch.tensor([float(v)])) if kind == "step"
-                           else (kind, p, a, b, v.reshape(-1)[o:o + b - a].clone()))
+                out.append(
+                    ("step", p, 0, 1, torch.tensor([float(v)]))
+                    if kind == "step"
+                    else (kind, p, a, b, v.reshape(-1)[o : o + b - a].clone())
+                )
     return out
 
 
@@ -158,13 +167,14 @@ def _save_sources(root: Path) -> None:
         rng = torch.get_rng_state()  # what the checkpoint records of this rank's stream
         eng.save_checkpoint(root / "ck" / name)
         if stage == 0 and n == 2:  # as zerotrain wrote it before: every rank all it holds
-            with mock.patch.object(StrategyState, "write_range",
-                                   lambda self, u: self.opt_range(u)):
+            with mock.patch.object(StrategyState, "write_range", lambda self, u: self.opt_range(u)):
                 eng.save_checkpoint(root / "legacy" / name)
         ref = root / "ref" / name
         ref.mkdir(parents=True, exist_ok=True)
-        save_file({"|".join(map(str, p[:4])): p[4] for p in state_pieces(eng)} | {"rng": rng},
-                  str(ref / f"rank{rank}.safetensors"))
+        save_file(
+            {"|".join(map(str, p[:4])): p[4] for p in state_pieces(eng)} | {"rng": rng},
+            str(ref / f"rank{rank}.safetensors"),
+        )
         _train(eng, data[BEFORE:])
         params = full_params(eng)
         if rank == 0:
@@ -187,8 +197,11 @@ def _reference(root: Path, name: str) -> dict:
         for key, v in tensors.items():
             kind, name_, a, b = key.split("|")
             pieces.append((kind, name_, int(a), int(b), v))
-    return {"state": assemble(pieces, {k: v.numel() for k, v in params.items()}),
-            "params": params, "rng": rng}
+    return {
+        "state": assemble(pieces, {k: v.numel() for k, v in params.items()}),
+        "params": params,
+        "rng": rng,
+    }
 
 
 def _load_sources(root: Path) -> list[dict]:
@@ -210,9 +223,14 @@ def _load_sources(root: Path) -> list[dict]:
                     # rank r's random stream continues where rank r of the source was
                     rng = w != n or torch.equal(torch.get_rng_state(), ref["rng"][rank])
                     pieces = state_pieces(eng)
-                    wrong = sorted({(k, p) for k, p, a, b, v in pieces
-                                    if (k, p) not in ref["state"]
-                                    or not torch.equal(ref["state"][k, p][a:b], v)})
+                    wrong = sorted(
+                        {
+                            (k, p)
+                            for k, p, a, b, v in pieces
+                            if (k, p) not in ref["state"]
+                            or not torch.equal(ref["state"][k, p][a:b], v)
+                        }
+                    )
                     # every state the source had is held by some rank: checked by the
                     # parent over all ranks' `held`
                     held = {(k, p) for k, p, *_ in pieces}
@@ -220,24 +238,35 @@ def _load_sources(root: Path) -> list[dict]:
                     got, want = full_params(eng), ref["params"]
                     equal = all(torch.equal(got[k], want[k]) for k in want)
                     rel = max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
-                    out.append({"src": name, "tgt": (stage, n), "wrong": wrong[:3],
-                                "same": (s_stage, w) == (stage, n), "rng": rng,
-                                "held": held, "equal": equal, "rel": rel})
+                    out.append(
+                        {
+                            "src": name,
+                            "tgt": (stage, n),
+                            "wrong": wrong[:3],
+                            "same": (s_stage, w) == (stage, n),
+                            "rng": rng,
+                            "held": held,
+                            "equal": equal,
+                            "rel": rel,
+                        }
+                    )
             eng.close()
     return out
 
 
 def _regroup(store, tag: str, rank: int, size: int) -> None:
     if size > 1:
-        dist.init_process_group("gloo", store=dist.PrefixStore(tag, store), rank=rank,
-                                world_size=size)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(tag, store), rank=rank, world_size=size
+        )
 
 
 def _matrix(root: str, port: int) -> list[dict]:
     root_p = Path(root)
     rank = dist.get_rank()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=datetime.timedelta(seconds=300))
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300)
+    )
 
     def all_at(key: str) -> None:  # the three processes wait for one another
         store.add(key, 1)
@@ -270,8 +299,13 @@ def _matrix(root: str, port: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> tuple[Path, list[dict], float]:
     root = tmp_path_factory.mktemp("matrix")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
     t0 = time.perf_counter()
     per_rank = run_ranks(_matrix, 3, str(root), store.port)
     return root, [r for rank in per_rank for r in rank], time.perf_counter() - t0
@@ -298,8 +332,10 @@ def test_every_checkpoint_resumes_at_every_stage_and_world_size(matrix):
         else:
             assert r["rel"] < TOL, f"{src} -> {tgt}: {r['rel']:.1e} from the uninterrupted run"
             worst = max(worst, r["rel"])
-    print(f"\n[matrix] 432 pairs in {seconds:.1f} s; worst relative weight difference "
-          f"where the topology changed: {worst:.1e}")
+    print(
+        f"\n[matrix] 432 pairs in {seconds:.1f} s; worst relative weight difference "
+        f"where the topology changed: {worst:.1e}"
+    )
 
 
 def _ck(root: Path, name: str) -> Path:
@@ -318,12 +354,14 @@ def test_every_checkpoint_exports_its_master_weights(matrix, tmp_path):
         for w in WORLDS:
             name = src_name(stage, off, muon, w)
             ref = _reference(root, name)
-            masters = {p: ref["state"]["master", p].view(ref["params"][p].shape)
-                       for (k, p) in ref["state"] if k == "master"}
+            masters = {
+                p: ref["state"]["master", p].view(ref["params"][p].shape)
+                for (k, p) in ref["state"]
+                if k == "master"
+            }
             plain, hf = tmp_path / f"{name}.safetensors", tmp_path / f"{name}-hf"
             assert main_export([str(root / "ck" / name), "--out", str(plain)]) == 0
-            assert main_export([str(root / "ck" / name), "--out", str(hf),
-                                "--format", "hf"]) == 0
+            assert main_export([str(root / "ck" / name), "--out", str(hf), "--format", "hf"]) == 0
             got = load_file(str(plain))
             assert torch.equal(got["head.weight"], masters["wte.weight"])  # tied
             assert all(torch.equal(got[p], v) for p, v in masters.items()), name
@@ -359,8 +397,10 @@ def test_every_element_is_written_once(matrix):
             padded = sum(u["padded_numel"] for u in read_meta(ck)["layout"]["units"])
             assert _elements(ck, "strategy.master.") == padded, (stage, off, muon, w)
             assert _elements(ck, "optim.") == one, (stage, off, muon, w)
-    sizes = {w: sum(f.stat().st_size for f in _ck(root, src_name(0, False, False, w)).iterdir())
-             for w in WORLDS}
+    sizes = {
+        w: sum(f.stat().st_size for f in _ck(root, src_name(0, False, False, w)).iterdir())
+        for w in WORLDS
+    }
     print(f"\n[matrix] stage-0 checkpoint bytes by world size: {sizes}")
 
 
@@ -383,8 +423,11 @@ def test_duplicated_stage0_checkpoints_still_load(matrix, tmp_path):
         padded = sum(u["padded_numel"] for u in read_meta(ck)["layout"]["units"])
         assert _elements(ck, "strategy.master.") == 2 * padded  # really duplicated
         weights, _ = consolidate(ck)
-        assert all(torch.equal(weights[p].reshape(-1), ref["state"]["master", p])
-                   for (k, p) in ref["state"] if k == "master")
+        assert all(
+            torch.equal(weights[p].reshape(-1), ref["state"]["master", p])
+            for (k, p) in ref["state"]
+            if k == "master"
+        )
         for stage in (0, 3):  # replicated again, and sharded (here on one rank)
             eng = _engine(overrides(stage, False, muon), 99)
             eng.load_checkpoint(ck)
@@ -402,9 +445,41 @@ def test_duplicated_stage0_checkpoints_still_load(matrix, tmp_path):
     js = bad / "rank00001.json"
     js.write_text(json.dumps(dict(json.loads(js.read_text()), sha256=digest)))
     meta = json.loads((bad / "meta.json").read_text())
-    meta["checksums"].update({f.name: digest,
-                              js.name: hashlib.sha256(js.read_bytes()).hexdigest()})
+    meta["checksums"].update({f.name: digest, js.name: hashlib.sha256(js.read_bytes()).hexdigest()})
     (bad / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match=r"saved different copies of .* it is "
-                       r"inconsistent: use another checkpoint \(an earlier step_\* folder\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved different copies of .* it is "
+        r"inconsistent: use another checkpoint \(an earlier step_\* folder\)",
+    ):
         consolidate(bad)
+
+
+def test_saved_shards_read_any_range(matrix):
+    """The reader under resharding (from the retired test_reshard_across_stages_and_world_
+    sizes): a 2-rank ZeRO-2 checkpoint consolidates to its masters; each parameter's
+    states are named; a state read in two halves that cross the ranks' cut equals the
+    whole and the source's state (at 2 ranks the units are cut mid-parameter)."""
+    from zerotrain.checkpoint import consolidate, resolve
+    from zerotrain.checkpoint.io import read_meta
+    from zerotrain.checkpoint.reshard import SavedShards
+
+    root = matrix[0]
+    name = src_name(2, False, False, 2)
+    ck = resolve(root / "ck" / name)
+    ref = _reference(root, name)
+    weights, meta = consolidate(ck)
+    assert meta["layout"]["world_size"] == 2
+    saved = SavedShards(ck, read_meta(ck))
+    for k, v in ref["params"].items():
+        assert torch.equal(weights[k].reshape(-1), ref["state"]["master", k]), k
+        assert saved.state_names([k]) == ["exp_avg", "exp_avg_sq", "step"]
+        assert float(saved.scalars[("step", k)]) == BEFORE
+        n = v.numel()
+        whole = saved.read("exp_avg", k, 0, n)
+        assert torch.equal(whole, ref["state"]["exp_avg", k])
+        for cut in (n // 3, n // 2):
+            assert torch.equal(
+                torch.cat([saved.read("exp_avg", k, 0, cut), saved.read("exp_avg", k, cut, n)]),
+                whole,
+            )

@@ -70,10 +70,10 @@ def _train_shuffled(prefetch: bool, monkeypatch) -> tuple[list, list, list]:
     log: list[tuple[str, bool]] = []
     real = ShardedUnit.unshard
 
-    def unshard(self, comm, async_op=True, exact=False):
+    def unshard(self, comm, async_op=True, exact=False, via=None):
         if self.state is UnitState.SHARDED:
             log.append((self.name, async_op))
-        return real(self, comm, async_op, exact)
+        return real(self, comm, async_op, exact, via)
 
     monkeypatch.setattr(ShardedUnit, "unshard", unshard)
     cfg = build_config({"zero": {"stage": 3, "prefetch": prefetch,

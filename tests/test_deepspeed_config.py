@@ -257,7 +257,7 @@ def test_unsupported_keys_are_listed_together():
     msg = str(e.value)
     assert "\n" not in msg and "6 setting(s)" in msg
     for key in ("optimizer.params.amsgrad=true", "fp16.consecutive_hysteresis=true",
-                "zero_optimization.zero_quantized_weights=true",
+                "zero_optimization.zero_quantized_nontrainable_weights=true",
                 "zero_optimisation.stage=2", "did you mean 'zero_optimization'",
                 "progressive_layer_drop.enabled=true", 'sparse_attention.mode="fixed"'):
         assert key in msg, key

@@ -28,7 +28,8 @@ def test_dry_run_reports_every_section(tmp_path):
     gc = _driver()
     out, work = tmp_path / "out", tmp_path / "work"
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out",
-                        str(out), "--work", str(work)], capture_output=True, text=True,
+                        str(out), "--work", str(work), "--sections", *gc.ORDER],
+                       capture_output=True, text=True,
                        timeout=900, cwd=tmp_path, env={**os.environ, "PYTHON": sys.executable})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     res = json.loads((out / "gpu_check.json").read_text())
@@ -43,16 +44,32 @@ def test_dry_run_reports_every_section(tmp_path):
                x["status"] in gc.STATUSES for x in res["rows"])
     assert not [x for x in res["rows"] if x["status"] in ("FAIL", "TIMEOUT")]
     assert sum(res["counts"].values()) == len(res["rows"])
-    # FP8 before perf; perf last
-    assert gc.ORDER.index("fp8") < gc.ORDER.index("perf") == len(gc.ORDER) - 1
+    # the one-GPU call first (review3 right after the probes); perf last
+    assert gc.ORDER[:len(gc.ONE_GPU)] == gc.ONE_GPU and gc.ORDER[-1] == "perf"
+    assert gc.ORDER.index("review3") == gc.ORDER.index("probes") + 1
     by = {(x["section"], x["check"].split(":")[0]): x for x in res["rows"]}
     # the defects another change may fix are judged from behaviour, either way
     for probe in ("N1", "N2"):
         assert by[("probes", probe)]["status"] in ("REPRODUCED", "FIXED")
     for probe in ("C1", "H1", "S3", "FP8", "C2"):
         assert by[("probes", probe)]["status"] == "PASS", by[("probes", probe)]
+    # review3: the code added since the kit was written, one row per check
+    r3 = {x["check"].split(":")[0]: x for x in res["rows"] if x["section"] == "review3"}
+    for defect in ("W-1 FP8 gather", "C-2 FP8 all-gather + offload_param nvme"):
+        assert r3[defect]["status"] in ("REPRODUCED", "FIXED"), r3[defect]
+    for check in ("W-2 offload checkpointing under a lagging stream",
+                  "W-3 offload checkpointing with dropout (CUDA RNG)",
+                  "FP8 wire over 4 steps", "tiles", "DeepSpeed drop-in"):
+        assert r3[check]["status"] == "PASS", r3[check]
+    tiers = [x for x in res["rows"] if x["section"] == "review3"
+             and x["check"].startswith("tiers:")]
+    assert len(tiers) == 5 and all(x["status"] == "PASS" for x in tiers), tiers
+    assert r3["alloc race (HostStash.fetch's pattern)"]["status"] == "SKIP"
+    assert r3["document mask"]["status"] == "INFO"
     race = [x for x in res["rows"] if x["section"] == "race"]
-    assert {x["check"].split(": ")[1] for x in race} == {"sleep vs normal", "blocking vs normal"}
+    assert {x["check"].split(": ")[1] for x in race} == {"sleep vs normal"}
+    assert {x["check"].split(": ")[0] for x in race} == {"zero3-offload-bf16-accum2",
+                                                         "zero3-offload-muon-bf16"}
     assert all(x["status"] == "PASS" for x in race)
     assert any(x["section"] == "stages" and "at N=2 vs one process" in x["check"]
                and x["status"] == "PASS" for x in res["rows"])
@@ -65,6 +82,56 @@ def test_dry_run_reports_every_section(tmp_path):
     assert (out / "gpu_check.log").stat().st_size > 0
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log",
                                                      "gpu_check.md"]  # the device tool: <= 8
+
+
+def test_the_one_gpu_call_fits_its_budget():
+    """The default sections' caps add up to the default budget (they were 1,135 s against
+    480 s, so perf, last, never ran); more sections asked for are scaled down together,
+    so the last still gets its share; the documented call leaves room for a rerun."""
+    gc = _driver()
+    args = gc.parse([])
+    assert args.sections == gc.ONE_GPU and args.budget == gc.BUDGET
+    # the dry run (the script's test on slow shared cores): every section's cap fits
+    assert gc.parse(["--dry-run"]).budget == gc.DRY_BUDGET >= sum(gc.DRY_CAPS.values())
+    assert sum(gc.CAPS[s] for s in gc.ONE_GPU) == gc.BUDGET == 450
+    assert gc.fit_caps(gc.CAPS, gc.ONE_GPU, gc.BUDGET) == {
+        s: (gc.CAPS[s] if s in gc.ONE_GPU else 0.0) for s in gc.CAPS}
+    every = gc.fit_caps(gc.CAPS, gc.ORDER, 450)
+    assert sum(every.values()) == pytest.approx(450) and every["perf"] > 60
+    # the recipe (bench/gpu_check.sh, docs/gpu-check.md): wheels fetched here, carried,
+    # the budget plus start-up under the call's limit, <= 8 minutes of sections
+    for doc in (ROOT / "bench" / "gpu_check.sh", ROOT / "docs" / "gpu-check.md"):
+        text = doc.read_text()
+        assert "bash bench/gpu_check.sh --fetch-wheels" in text, doc
+        assert 'run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=510)' \
+            in text, doc
+    assert gc.BUDGET + 60 <= 510 <= 8.5 * 60
+
+
+def test_review3_rows_become_table_rows(tmp_path):
+    """review3_checks.py's JSON rows go into the table as they are; a script that dies
+    without its JSON is one FAIL row naming it."""
+    gc = _driver()
+    ctx = _ctx(gc, tmp_path)
+    rows = [{"check": "W-1 FP8 gather: scale", "status": "FIXED", "detail": "256 vs 256"},
+            {"check": "tiers: both nvme vs offload_optimizer cpu", "status": "PASS",
+             "detail": "0"}]
+
+    def run(cmd, cap, extra_env=None, cwd=None):
+        out = Path(cmd[cmd.index("--out") + 1])
+        (out / "review3.json").write_text(json.dumps(rows))
+        return 0, ""
+
+    ctx.run = run
+    gc.section_review3(ctx)
+    assert [(x["check"], x["status"]) for x in ctx.rep.rows] == [
+        (r["check"], r["status"]) for r in rows]
+    ctx.rep.rows.clear()
+    ctx.run = lambda cmd, cap, extra_env=None, cwd=None: (1, "Traceback\nImportError: x")
+    gc.section_review3(ctx)
+    assert [(x["check"], x["status"]) for x in ctx.rep.rows] == [
+        ("review3_checks.py", "FAIL")]
+    assert "ImportError: x" in ctx.rep.rows[0]["detail"]
 
 
 def test_one_gpu_table_names_what_it_cannot_test(tmp_path):

@@ -462,7 +462,9 @@ def test_a_failed_registration_clears_the_cuda_error(monkeypatch):
 
     cleared = []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(fail=712))
-    monkeypatch.setattr(offload, "clear_cuda_error", lambda: cleared.append(True))
+    from zerotrain.memory import host
+
+    monkeypatch.setattr(host, "clear_cuda_error", lambda: cleared.append(True))
     with pytest.raises(RuntimeError, match=r"cudaHostRegister failed \(712\) for 64 elements"):
         offload.host_buffer(64, torch.float32, pinned=True)
     assert cleared == [True] and not offload._REGISTERED

@@ -377,6 +377,9 @@ class _Recording:
     def keep(self, t, stream):
         self.log.append(("keep", stream.name))
 
+    def recycle(self, host):
+        pass
+
 
 def test_offload_orders_its_copies(monkeypatch):
     """The offload path's stream discipline, with CUDA's calls stood in for: each input
@@ -418,11 +421,12 @@ def test_offload_orders_its_copies(monkeypatch):
     consumed = [e[2] for e in rest if e[:2] == ("wait_event", "current")]
     assert consumed == h2d  # the recompute waits for exactly the copy that brought it
     # block i-1's copy back is queued as soon as block i has its input (before block
-    # i-1 asks for its own): its wait on side comes right after block i's current wait
+    # i-1 asks for its own): its wait on side comes right after block i's current wait;
+    # the side stream first waits for the compute stream, whose pool gave the block
     for i in range(2):
         at = rest.index(("wait_event", "current", consumed[i]))
-        assert rest[at + 1:at + 4] == [("device_like",), ("on", "side"),
-                                       ("wait_event", "side", d2h[1 - i])]
+        assert rest[at + 1:at + 5] == [("device_like",), ("wait_stream", "side", "current"),
+                                       ("on", "side"), ("wait_event", "side", d2h[1 - i])]
 
 
 def test_train_run_with_tiles_and_checkpointing_equals_plain(tmp_path):

@@ -180,9 +180,10 @@ def test_host_tier_moves_a_device_tensor_on_a_side_stream_fenced_by_events(monke
 
 def test_a_placed_device_tensor_round_trips_and_a_rewrite_waits_for_the_store(monkeypatch):
     """(c) Placed on the device through the host tier: evict → settle releases the device
-    memory only after the store's event was synchronized; ready() refills it bit-exactly
-    after the load's event fenced the compute stream; a rewrite (claim) while a store is
-    in flight waits that store's event before the tensor is handed out for writing."""
+    memory after the compute stream waited the store's event (no host wait: S-3);
+    ready() refills it bit-exactly after the load's event fenced the compute stream; a
+    rewrite (claim) while a store is in flight waits that store's event before the tensor
+    is handed out for writing."""
     rt = _Runtime()
     rt.install(monkeypatch)
     with SimDevice(), _Copies(rt):
@@ -193,7 +194,7 @@ def test_a_placed_device_tensor_round_trips_and_a_rewrite_waits_for_the_store(mo
         p.settle()
         log = _after(rt.log, 0)
         assert log == [("wait_stream", "side", "compute"), ("copy", "side", "cpu<-meta"),
-                       ("record", "side", 0), ("sync_event", 0), ("wait_event", "compute", 0)]
+                       ("record", "side", 0), ("wait_event", "compute", 0)]
         assert not p.resident
         _poison(t)
         assert p.ready() is t and p.resident and not p.dirty
@@ -218,7 +219,7 @@ def test_a_placed_device_tensor_round_trips_and_a_rewrite_waits_for_the_store(mo
         p.evict()
         p.settle()
         assert [x[0] for x in _after(rt.log, 0)] == [
-            "wait_stream", "copy", "record", "sync_event", "wait_event"]
+            "wait_stream", "copy", "record", "wait_event"]
         _poison(t)
         p.ready()
         assert torch.equal(t.cpu().view(torch.int16), ref3.view(torch.int16))
@@ -240,7 +241,10 @@ def test_a_placed_device_tensor_round_trips_and_a_rewrite_waits_for_the_store(mo
 def test_nvme_tier_stages_a_device_tensor_through_pinned_host_memory(monkeypatch, tmp_path):
     """(b) NVMe from a device: the write reads a pinned host copy, the read lands in a
     pinned host buffer then crosses to the device; no block I/O touches device memory
-    (byte_view refuses it) and the round trip is bit-exact."""
+    (byte_view refuses it) and the round trip is bit-exact. The pinned buffer is one
+    exact-size registration made once and reused (L-1: not torch's rounding, caching
+    pinned allocator; S-2: one device-to-host copy, not a copy and then a pinned copy),
+    and the next read into it waits until the copy out of it to the device has run."""
     rt = _Runtime()
     rt.install(monkeypatch)
     tier = NvmeTier(str(tmp_path), threads=2, block_mb=0.004)
@@ -250,19 +254,27 @@ def test_nvme_tier_stages_a_device_tensor_through_pinned_host_memory(monkeypatch
             p = Placed(tier, "unit0.shard", t)
             assert p._host_side()
             p.evict()
-            assert rt.pinned == [("pin_memory", 3000)]
+            assert rt.pinned == [] and [n for _, n in rt.registered] == [6000]
+            assert _after(rt.log, 0) == [("copy", "compute", "cpu<-meta")]  # one copy
             assert p._staged is not None and p._staged.device.type == "cpu"
             p.settle()
             assert not p.resident and p._staged is None
             assert tier.counter.written >= 6000
             _poison(t)
             p.fetch()
-            assert rt.pinned[1:] == [("empty", 3000)]
+            assert rt.pinned == [] and len(rt.registered) == 1  # the same buffer again
             assert p._staged is not None and p._staged.device.type == "cpu"
             assert p.ready() is t and p._staged is None
-            assert ("copy", "compute", "meta<-cpu") in rt.log
+            h2d = _after(rt.log, 0)
+            assert h2d[0] == ("copy", "compute", "meta<-cpu") and h2d[1][0] == "record"
             assert torch.equal(t.cpu().view(torch.int16), ref.view(torch.int16))
             assert tier.counter.read >= 6000
+            p.dirty = False
+            p.evict()  # clean: released without a write
+            p.fetch()  # the read into the buffer waits for the copy out of it first
+            assert rt.log[0] == ("sync_event", h2d[1][2]) and len(rt.registered) == 1
+            p.ready()
+            assert torch.equal(t.cpu().view(torch.int16), ref.view(torch.int16))
     finally:
         tier.close()
 
@@ -311,8 +323,9 @@ def test_param_tier_on_a_device_reads_fenced_and_writes_behind(monkeypatch):
             stores.append(rt.log[2][2])  # the store's event
             assert rt.log[:3] == [("wait_stream", "side", "compute"),
                                   ("copy", "side", "cpu<-meta"), ("record", "side", stores[-1])]
-        # unit 0's store was synchronized, then its memory released, when unit 1's began
-        assert rt.log[3:] == [("sync_event", stores[0]), ("wait_event", "compute", stores[0])]
+        # unit 0's store was fenced (the compute stream, not the host, waits: S-3), then
+        # its memory released, when unit 1's began
+        assert rt.log[3:] == [("wait_event", "compute", stores[0])]
         assert not units[0].shard.untyped_storage().nbytes() and pt.writing == [pt.placed[1]]
         assert units[1].shard.untyped_storage().nbytes()  # the newest is still in flight
         pt.settle_all()

@@ -1,14 +1,15 @@
 """Offload's fences under delayed copies (W1, S2, S6): bench/gpu_check.sh, section race.
 
-Trains the same tiny GPT under three Offload/ZeRO-3 configurations and saves every
-run's losses and final parameters:
+Trains the same tiny GPT under four Offload/ZeRO-3 configurations (Muon + Offload among
+them) and saves every run's losses and final parameters:
   normal    as shipped;
   sleep     a ~10 ms GPU sleep queued right before each async copy (the publish H2D on
             the current stream, the gradient D2H on Offload's side stream, the batch H2D),
             so each copy lands long after the host moved on: a missing fence (event,
             record_stream, pinned-block reuse) then reads or writes stale data;
-  blocking  normal once more, in a process with CUDA_LAUNCH_BLOCKING=1 (copies synchronous).
-With deterministic kernels the three agree bit for bit:
+  blocking  normal once more, in a process with CUDA_LAUNCH_BLOCKING=1 (copies synchronous;
+            the dry run's, no longer the one-GPU call's: it cost ~20 s).
+With deterministic kernels they agree bit for bit:
   python offload_race.py --out-dir D --runs normal sleep
   CUDA_LAUNCH_BLOCKING=1 python offload_race.py --out-dir D --runs blocking --compare
 writes D/race.json and exits 1 on any difference. `--dry-run`: the same on the CPU, where
@@ -31,6 +32,9 @@ CASES = {
     "zero3-offload-bf16-accum2": {"zero": {"stage": 3, "offload_optimizer": "cpu"},
                                   "data": {"grad_accum_steps": 2}},
     "zero3-bf16": {"zero": {"stage": 3}},
+    # N7's second half: the fence before a Muon master slice is rewritten
+    "zero3-offload-muon-bf16": {"zero": {"stage": 3, "offload_optimizer": "cpu"},
+                                "optimizer": {"name": "muon"}},
 }
 
 
@@ -148,7 +152,8 @@ def main() -> int:
     if device == "cuda":  # math attention: a deterministic backward
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-    cases = dict(list(CASES.items())[:2]) if a.dry_run else CASES
+    dry = ("zero3-offload-bf16-accum2", "zero3-offload-muon-bf16")  # the script's test
+    cases = {k: v for k, v in CASES.items() if k in dry} if a.dry_run else CASES
     for run in a.runs:
         if run == "sleep":  # on the CPU the wrappers pass straight through
             patch_sleeps()

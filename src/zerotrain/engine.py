@@ -35,7 +35,7 @@ from zerotrain.comm.dist import bind_device, patient_barrier
 from zerotrain.config import Config
 from zerotrain.engine_api import DeepSpeedAPI
 from zerotrain.memory import PhasePeaks, phase_estimates
-from zerotrain.memory.host import mmap_threshold, return_freed_blocks
+from zerotrain.memory.host import PINNED, mmap_threshold, return_freed_blocks
 from zerotrain.models import Plan, long_sequence, plan_for
 from zerotrain.models.ulysses import SequenceParallel
 from zerotrain.numerics.fp8_linear import convert_to_fp8
@@ -82,17 +82,17 @@ class Engine(DeepSpeedAPI):
         return_freed_blocks(mmap_threshold(config.train.host_mmap_mb, config.sequence))
         self.phases = PhasePeaks(self.device)  # peaks of init, forward, backward, step, save
         self.phases.begin()
-        self.policy = PrecisionPolicy.from_config(config.precision)
+        self.policy = PrecisionPolicy.from_config(config.precision, config.optimizer)
         apply_tf32(config.precision.tf32, device, config.precision.dtype)
-        self.comm = Comm(config.comm.algorithm,
-                         ring_min_bytes=int(config.comm.ring_min_mb * 2**20),
-                         check_lockstep=config.comm.check_lockstep,
-                         timeout_s=config.comm.timeout_s, grad_group=config.comm.grad_group)
+        c = config.comm
+        self.comm = Comm(c.algorithm, ring_min_bytes=int(c.ring_min_mb * 2**20),
+                         check_lockstep=c.check_lockstep, timeout_s=c.timeout_s,
+                         grad_group=c.grad_group, node_size=c.node_size)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module = model
         self._lay_out(model, plan, weights)
         groups = self.strategy.param_groups(self.group_options())
-        self.optimizer = build_optimizer(config.optimizer, groups,
+        self.optimizer = build_optimizer(config.optimizer, groups, self.policy.compact,
                                          agree=self._agree if self.world_size > 1 else None)
         self.scaler = LossScaler(config.precision.loss_scale, enabled=self.policy.loss_scaling)
         self.accum = config.data.grad_accum_steps
@@ -108,7 +108,7 @@ class Engine(DeepSpeedAPI):
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses
         self.phases.end("init")
         self.last_traffic: dict = {}
-        self.last_traffic_bytes = (0, 0)
+        self.last_traffic_bytes = self.last_inter_bytes = (0, 0)  # sent, received
         # ZeRO-Infinity: bytes each offload tier read and wrote in the last step
         self.last_tier_bytes: dict[str, dict[str, int]] = {}
         # step -> lr replacing the schedule (lr-find's ramp); None: the configured schedule
@@ -241,8 +241,8 @@ class Engine(DeepSpeedAPI):
         s.zero_grad()
         self.global_step += 1
         self.last_traffic = self.comm.counter.snapshot()
-        self.last_traffic_bytes = self.comm.counter.total()
-        self.comm.counter.reset()
+        c = self.comm.counter  # inter: the bytes that crossed nodes
+        self.last_traffic_bytes, self.last_inter_bytes, _ = c.total(), c.inter(), c.reset()
         tier_bytes = getattr(self.strategy, "tier_bytes", None)  # stage 3 with a tier
         self.last_tier_bytes = tier_bytes() if tier_bytes is not None else {}
         skipped_total = self.scaler.skipped + (self.spike_guard.skipped if self.spike_guard
@@ -286,10 +286,10 @@ class Engine(DeepSpeedAPI):
         return self.spike_guard.check(loss, grad_norm)
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter of `module` usable in full inside the block: ZeRO-3 gathers
-        them (a collective: every rank must enter), other stages hold them anyway."""
-        with self.strategy.full_parameters():
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every parameter of `module` (or of `params`' units) usable in full inside the
+        block: ZeRO-3 gathers them (a collective), other stages hold them anyway."""
+        with self.strategy.full_parameters(params):
             yield
 
     # ------------------------------------------------------------------ state
@@ -384,10 +384,9 @@ class Engine(DeepSpeedAPI):
         return rep
 
     def memory_phases(self, activations: int = 0) -> dict[str, dict[str, int]]:
-        """Each phase's peak so far above the memory before the engine, next to the
-        prediction (`memory.phase_estimates` of `zero.run_shape`, as `zerotrain estimate`;
-        on a CPU the high-water mark and, memory returned to the OS, each phase's own).
-        `activations`: the model's saved activations, when the caller can count them."""
+        """Each phase's peak so far above the memory before the engine, beside the
+        prediction of `zero.run_shape` (as `zerotrain estimate`; on a CPU the high-water
+        mark and each phase's own); `activations`: the saved ones, if the caller knows."""
         shape = run_shape(self.strategy.kind, self.config, self.module, self.plan,
                           self.device.type, self.world_size)
         high, low = (phase_estimates(replace(shape, high_water=h), activations)
@@ -398,3 +397,4 @@ class Engine(DeepSpeedAPI):
 
     def close(self) -> None:
         self.strategy.close()
+        PINNED.release()  # activation offload's pinned buffers (memory/host.py)

@@ -27,7 +27,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from zerotrain.checkpoint import stream
-from zerotrain.comm.dist import barrier, patient_barrier
+from zerotrain.comm.dist import patient_barrier
 from zerotrain.zero.lazy import Lazy
 
 FORMAT_VERSION = 2
@@ -203,9 +203,11 @@ def save_sharded(root: str | Path, step: int, rank: int, world: int,
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-    barrier()
+    # store-based barriers: rank 0's folder work and each rank's write (lazy NVMe-tier
+    # states read back, a shared filesystem) may outlast comm.timeout_s (NCCL: abort)
+    patient_barrier()
     _write_rank(tmp, rank, tensors, rank_meta)
-    barrier()
+    patient_barrier()
     if rank == 0:
         _finish(root, tmp, final, world, dict(meta, step=step), keep, latest)
     patient_barrier()  # rank 0's solo finishing may outlast comm.timeout_s (NCCL: abort)

@@ -33,6 +33,7 @@ from zerotrain.checkpoint.io import (
 )
 from zerotrain.config import ModelConfig
 from zerotrain.models import EXPORT_FORMAT, export_metadata
+from zerotrain.numerics.blockquant import BLOCK, n_blocks
 
 SCALAR_STATES = ("step",)  # every other optimizer state is elementwise
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1}
@@ -73,6 +74,8 @@ class SavedShards:
                 ui, a, b = rmeta["segments"][int(idx)][:3]
                 if name in SCALAR_STATES:
                     self._scalar(units[ui], a, b, name, float(f.get_tensor(key)))
+                elif name.endswith("~scale"):  # int8 block scales: block coordinates
+                    self.pieces[(name, ui)].append((a // BLOCK, n_blocks(b), r, key))
                 else:
                     self.pieces[(name, ui)].append((a, b, r, key))
         for key, v in rmeta.get("scalar_state", {}).items():
@@ -105,6 +108,8 @@ class SavedShards:
         if name not in self.where:
             raise CheckpointError(f"the checkpoint has no tensor for '{name}'")
         ui, off, _ = self.where[name]
+        if kind.endswith("~scale"):  # [a, b) counts blocks (checkpoint/compact.py)
+            off //= BLOCK
         lo_, hi_ = off + a, off + b
         parts: list[Tensor] = []
         pos = lo_  # everything before it is read
@@ -137,9 +142,11 @@ class SavedShards:
         of different optimizer paths (Muon's matrices, its AdamW fallback), so a name
         counts only where its saved pieces overlap the parameters themselves."""
         spans = [self.where[p] for p in params if p in self.where]
+        blocks = [(u, off // BLOCK, n_blocks(n)) for u, off, n in spans]  # int8 scales
         names = {k for (k, ui), pieces in self.pieces.items() if k != "master" and any(
             ui == u and lo < off + n and off < hi
-            for u, off, n in spans for lo, hi, _r, _key in pieces)}
+            for u, off, n in (blocks if k.endswith("~scale") else spans)
+            for lo, hi, _r, _key in pieces)}
         names |= {k for (k, p) in self.scalars if p in params}
         return sorted(names)
 

@@ -31,6 +31,15 @@ from torch import Tensor
 
 from zerotrain.checkpoint import client_state as client_states
 from zerotrain.checkpoint import stream
+from zerotrain.checkpoint.compact import (
+    Q8,
+    block_layout,
+    conversion_notes,
+    dequantizing_reader,
+    is_blocks,
+    saved_dtype,
+    wants_int8,
+)
 from zerotrain.checkpoint.io import (
     CheckpointError,
     rank_files,
@@ -41,6 +50,7 @@ from zerotrain.checkpoint.io import (
     verify,
 )
 from zerotrain.checkpoint.reshard import SCALAR_STATES, SavedShards
+from zerotrain.numerics.blockquant import BLOCK, n_blocks
 from zerotrain.zero.flat import gather_range
 from zerotrain.zero.lazy import Lazy, flat_slice
 
@@ -49,8 +59,9 @@ RUNTIME_OPTIONS = ("compiled",)
 #: Config fields whose change on resume alters the optimization or the data trained on
 #: (warned about).
 WATCHED = ("optimizer", "schedule", "train.steps", "data.micro_batch_size",
-           "data.grad_accum_steps", "precision.dtype", "data.path", "data.val_fraction",
-           "data.tokenizer", "data.text_field")
+           "data.grad_accum_steps", "precision.dtype", "precision.master_dtype",
+           "precision.master_update", "data.path", "data.val_fraction", "data.tokenizer",
+           "data.text_field")
 
 
 @dataclass
@@ -61,6 +72,7 @@ class Loaded:
     optimizer_reset: bool = False
     client_state: Any = None
     changes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # compact states converted, and how
 
 
 # ----------------------------------------------------------------------------- save
@@ -118,6 +130,8 @@ def _written_part(state: dict[str, Any]) -> tuple[dict[str, Tensor | Lazy], dict
         for n, v in st.items():
             if not isinstance(v, (Tensor, Lazy)):
                 scalars[f"{idx}.{n}"] = v
+            elif is_blocks(n):  # int8 block scales: blocks [x, y) (x, a start blocks)
+                tensors[f"optim.{idx}.{n}"] = flat_slice(v, (x - a) // BLOCK, n_blocks(y - a))
             else:
                 tensors[f"optim.{idx}.{n}"] = flat_slice(v, x - a, y - a) if v.ndim else v
     return tensors, scalars, {"opt_ranges": [list(r) for r in write], "segments": segments}
@@ -162,7 +176,8 @@ def load(path: str | Path, template: dict[str, Any], rank: int,
                         "spike_guard": meta.get("spike_guard")})
     client = client_states.decode(meta.get("client_state"))
     info = Loaded(ckpt, meta, not topology, reset, client,
-                  config_changes(meta.get("config", {}), template["meta"]["config"]))
+                  config_changes(meta.get("config", {}), template["meta"]["config"]),
+                  conversion_notes(meta.get("config", {}), template["meta"]["config"]))
     return sd, info
 
 
@@ -213,7 +228,8 @@ def _same_layout(tensors: dict[str, Tensor], rmeta: dict, template: dict) -> dic
         if key.startswith("optim."):
             _, idx, name = key.split(".", 2)
             shape = template["meta"]["rank_layout"]["segments"][int(idx)][3]
-            state.setdefault(int(idx), {})[name] = v if name in SCALAR_STATES else v.view(shape)
+            flat = name in SCALAR_STATES or is_blocks(name)
+            state.setdefault(int(idx), {})[name] = v if flat else v.view(shape)
     for key, v in rmeta.get("scalar_state", {}).items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = v
@@ -246,13 +262,22 @@ def resliced(saved: SavedShards, template: dict, rng_rank: int | None = None,
         params = [p[0] for p in unit["params"]
                   if p[2] < b and p[2] + torch.Size(p[1]).numel() > a]
         st: dict[str, Any] = {}
+        int8 = wants_int8(template, unit, a)
         for name in saved.state_names(params):
-            if name in SCALAR_STATES:
+            if name.endswith(Q8) and not int8:  # int8 into another form: values
+                name, read = name.removesuffix(Q8), dequantizing_reader(saved, name)
+                st[name] = _ranged(lazy, shape, unit, a, b, read, torch.float32)
+            elif is_blocks(name) and not int8:
+                continue  # read with the codes above
+            elif name in SCALAR_STATES:
                 value = next(saved.scalars[(name, p)] for p in params
                              if (name, p) in saved.scalars)
                 st[name] = torch.tensor(float(value), dtype=torch.float32)
-            else:
-                dtype = strategy[f"master.{ui}"].dtype
+            elif is_blocks(name):  # int8 block scales, cut in block coordinates
+                st[name] = _ranged(lazy, [n_blocks(b) - a // BLOCK], block_layout(unit),
+                                   a // BLOCK, n_blocks(b), saved.reader(name), torch.float32)
+            else:  # the saved dtype where it is a compact form (int8 codes, bf16)
+                dtype = saved_dtype(saved, name, params) or strategy[f"master.{ui}"].dtype
                 st[name] = _ranged(lazy, shape, unit, a, b, saved.reader(name), dtype)
         if st:
             state[idx] = st

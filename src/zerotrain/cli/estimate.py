@@ -37,6 +37,7 @@ from zerotrain.memory import (
     config_activations,
     max_params,
     max_seq,
+    node_traffic,
     shape_traffic,
     tier_traffic,
 )
@@ -218,6 +219,9 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
     if tile is not None and tile < 1:
         raise UsageError(f"--tile-tokens must be >= 1, got {tile}")
     psi, largest = model_size(mc)
+    from zerotrain.models import active_param_count
+
+    active = active_param_count(mc)  # a MoE's top_k experts; = psi for a dense model
     # the config as the flags change it, for the per-phase peaks (`predict_peaks`)
     run_cfg = cfg.model_copy(update={
         "model": mc.model_copy(update={"activation_checkpointing": ckpt}),
@@ -237,7 +241,8 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     acts = config_activations(run_cfg, b, seq, device=args.device)
-    return dict(psi=psi, largest_unit=largest, micro_batch=b, config=run_cfg,
+    return dict(psi=psi, active_params=active, largest_unit=largest, micro_batch=b,
+                config=run_cfg,
                 device=args.device, seq=seq, activation_checkpointing=ckpt, tile_tokens=tile,
                 activations=acts.peak, activations_saved=acts.saved,
                 activations_host=acts.host)
@@ -336,6 +341,9 @@ def _report(s: dict, rows: list[Row], args: argparse.Namespace) -> dict:
                          "host_to_device_bytes": tr.host_to_device_bytes,
                          "collectives": [asdict(c) for c in tr.collectives]},
              **_tiers_of(est, shape)}
+        node = s["config"].comm.node_size if "config" in s else None
+        if node and node < s["world_size"]:  # bytes to other nodes (comm.node_size)
+            r["traffic"]["inter_node_bytes"] = node_traffic(shape, node)[1]
         if args.bandwidth is not None:
             r["traffic"]["time_s"] = tr.time_s(args.bandwidth, args.latency)
         if args.max_params:

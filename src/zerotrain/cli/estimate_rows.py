@@ -138,10 +138,13 @@ def row_shape(s: dict, row: Row, psi: int | None = None) -> RunShape:
     of an optimizer on disk goes to the disk too, as the engine's tier_bytes count)."""
     offloads, disk = declared_offloads(row.offload_optimizer, row.offload_param,
                                        host_is_device=s.get("device") == "cpu")
+    z = s["config"].zero if "config" in s and row.stage == 3 else None  # ZeRO++ at stage 3
     return RunShape((s["psi"] if psi is None else psi,), s["world_size"],
                     BytesPerParam(**s["bytes_per_param"]), STAGE_SHARDS[row.stage],
                     offloads, disk, largest_unit=s["largest_unit"],
                     offload_prefetch=s["offload_prefetch"], micro_steps=s["micro_steps"],
+                    secondary_partition=(z.secondary_partition or 0) if z else 0,
+                    grad_wire_bits={"int8": 8, "int4": 4}.get(z.grad_wire, 0) if z else 0,
                     stage=row.stage)
 
 

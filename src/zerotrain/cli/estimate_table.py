@@ -63,9 +63,12 @@ def _head(rep: dict, unit: tuple[str, int]) -> list[str]:
         limits.append(f"host limit {_limit(rep['host_mem'], binary)}")
     if rep.get("disk") is not None:
         limits.append(f"disk limit {_limit(rep['disk'], binary)}")
+    # a MoE: memory holds every expert (Ψ), a token's compute uses the active ones
+    active = (f" ({rep['active_params']:,} active per token: a mixture of experts)"
+              if rep.get("active_params", rep["psi"]) != rep["psi"] else "")
     lines = [
-        f"zerotrain estimate: Ψ = {rep['psi']:,} params on N = {rep['world_size']} ranks, "
-        f"{rep['precision']} (grads {rep['grad_dtype']}), {rep['optimizer']}",
+        f"zerotrain estimate: Ψ = {rep['psi']:,} params{active} on N = {rep['world_size']} "
+        f"ranks, {rep['precision']} (grads {rep['grad_dtype']}), {rep['optimizer']}",
         "bytes/param: params {params}, grads {grads}, master {master}, optimizer {optimizer}"
         .format(**bpp) + f"  (K = {bpp['master'] + bpp['optimizer']})",
         f"memory per rank in {unit_words(unit)}" + "".join(f"; {x}" for x in limits),

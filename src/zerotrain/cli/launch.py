@@ -6,7 +6,9 @@ torchrun underneath, with the launcher guarantees of `zerotrain train --nproc`
 with the launcher (ranks that call `zerotrain.deepspeed.init_distributed` or
 `initialize` arrange it), and `--max-restarts K`. As torchrun does, the ranks find
 RANK, LOCAL_RANK and WORLD_SIZE in their environment; no `--local_rank` argument is
-added to the script's own.
+added to the script's own. The script's `import deepspeed` (and that of transformers,
+Accelerate or TRL inside it) resolves to `zerotrain.deepspeed` (zerotrain/hf), so a
+DeepSpeed or Hugging Face Trainer script runs unchanged; nothing outside the run changes.
 """
 
 from __future__ import annotations
@@ -53,4 +55,7 @@ def main_launch(argv: list[str]) -> int:
     restarts = parse_count(a.max_restarts, "--max-restarts", minimum=0)
     from zerotrain.comm.launch import launch_local
 
-    return launch_local(nproc, [a.script, *a.args], module=None, max_restarts=restarts)
+    # the ranks run the script through zerotrain.hf: its `import deepspeed` (and that of
+    # transformers / Accelerate) resolves to zerotrain.deepspeed, for this run only
+    return launch_local(nproc, [a.script, *a.args], module="zerotrain.hf",
+                        max_restarts=restarts)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zerotrain.comm.dist import comm_device
+from zerotrain.comm.dist import comm_device, default_node_size
 from zerotrain.comm.handle import CommThread, Handle
 from zerotrain.comm.lockstep import Lockstep, explain_timeout
 from zerotrain.comm.ops import OPS, Op, nbytes
@@ -58,15 +58,23 @@ class Comm:
     `check_lockstep`: compare every collective across ranks first (`lockstep.py`).
     `timeout_s`: the group's timeout, only to name it when a collective times out.
     `grad_group`: give `comm.grads` a process group of its own (auto: on NCCL).
+    `node_size`: ranks per node (consecutive global ranks share a node; default
+    `LOCAL_WORLD_SIZE`, else every rank on one node) — only to split the byte counts
+    into intra- and inter-node bytes and to let hpZ/qgZ find a rank's node.
     """
 
     def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None,
                  ring_min_bytes: int = RING_MIN_BYTES, *, device: torch.device | None = None,
                  check_lockstep: bool = False, timeout_s: float | None = None,
-                 grad_group: bool | str = "auto"):
+                 grad_group: bool | str = "auto", node_size: int | None = None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"comm.algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self._bind(algorithm, group, ring_min_bytes, device, timeout_s)
+        world = dist.get_world_size() if self.active else 1
+        self.node_size = default_node_size(world) if node_size is None else node_size
+        if self.node_size < 1 or world % self.node_size:
+            raise ValueError(f"comm.node_size ({self.node_size}) must divide the world size "
+                             f"({world}): set it to the ranks per node, a divisor of {world}")
         self.counter = TrafficCounter()
         self.lockstep = (Lockstep(group, self.device, self.rank, self.world_size)
                          if check_lockstep and self.world_size > 1 else None)
@@ -110,6 +118,7 @@ class Comm:
         c = Comm.__new__(Comm)
         c._bind(self.algorithm, group, self.ring_min_bytes, self.device, self.timeout_s)
         c.counter, c.lockstep, c.grads = self.counter, lockstep, c
+        c.node_size = self.node_size
         if group is not None:
             c._made.append(group)
         c._ring_group = c._new_group(ranks) if c._ring_ok else None
@@ -155,7 +164,12 @@ class Comm:
                              f"{self.world_size} ranks")
         groups = [self.subgroup(list(range(k, k + size)))
                   for k in range(0, self.world_size, size)]
-        return next(g for g in groups if g is not None)
+        mine = next(g for g in groups if g is not None)
+        if self.lockstep is not None and mine.lockstep is not None:
+            # every rank issues on its own group at the same points: checked in this
+            # Comm's sequence, across communicators (lockstep.py, Lockstep)
+            mine.lockstep = self.lockstep.channel(f"{size}-rank split groups")
+        return mine
 
     # ------------------------------------------------------------------ dispatch
     def _collective(self, op: str, out: Tensor, inp: Tensor | None, purpose: str,
@@ -176,16 +190,47 @@ class Comm:
 
             def job() -> None:
                 sent, recv = spec.ring(out, inp, group, **kw)
-                self.counter.add(name, purpose, sent, recv, observed=True)
+                self.counter.add(name, purpose, sent, recv, observed=True,
+                                 inter=self._inter(op, sent, recv, True, kw))
 
             return self._run_ring(job, op, async_op)
         sent, recv = spec.traffic(self.world_size, self.rank, out, inp, **kw)
-        self.counter.add(name, purpose, sent, recv, observed=False)
+        self.counter.add(name, purpose, sent, recv, observed=False,
+                         inter=self._inter(op, sent, recv, False, kw))
         work = self._guarded(lambda: spec.native(out, inp, self.group, **kw), op)
         h = Handle(work, explain=self._explain(op))
         if not async_op:
             h.wait()
         return h
+
+    # ------------------------------------------------------------------ nodes
+    def node_of(self, i: int) -> int:
+        """The node of this Comm's rank `i` (consecutive global ranks share a node)."""
+        return self.ranks[i] // self.node_size
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes this Comm's ranks span."""
+        return len({self.node_of(i) for i in range(self.world_size)})
+
+    def _inter(self, op: str, sent: float, recv: float, ring: bool,
+               kw: dict) -> tuple[float, float]:
+        """The part of (sent, recv) that crossed nodes. The ring sends to the next rank
+        and receives from the previous one; an all-to-all's pieces are known per peer; a
+        native collective is counted as exchanging equal shares with every peer (its
+        internals are invisible)."""
+        n, me = self.world_size, self.rank
+        mine = self.node_of(me)
+        off = [self.node_of(i) != mine for i in range(n)]
+        if op == "all_to_all":
+            size = sent / max(1, sum(kw["in_splits"]) - kw["in_splits"][me]) if sent else 0
+            rsize = recv / max(1, sum(kw["out_splits"]) - kw["out_splits"][me]) if recv else 0
+            return (sum(s for s, o in zip(kw["in_splits"], off) if o) * size,
+                    sum(s for s, o in zip(kw["out_splits"], off) if o) * rsize)
+        if ring:
+            return (sent if off[(me + 1) % n] else 0, recv if off[(me - 1) % n] else 0)
+        frac = sum(off) / (n - 1)
+        return sent * frac, recv * frac
 
     def _use_ring(self, out: Tensor, inp: Tensor | None, spec: Op) -> bool:
         if not self._ring_ok:

@@ -67,6 +67,12 @@ def pick_device(kind: str = "auto", local_rank: int = 0,
 LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "RANK")
 
 
+def default_node_size(world_size: int) -> int:
+    """Ranks per node: LOCAL_WORLD_SIZE (torchrun sets it), else all ranks on one node."""
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return n if n >= 1 and world_size % n == 0 else world_size
+
+
 def local_rank_source() -> str:
     """The environment variable `local_rank()` read (or "default" when none is set)."""
     return next((v for v in LOCAL_RANK_VARS if v in os.environ), "default")

@@ -17,6 +17,7 @@ is enough — the others wait inside a collective that never completes, silently
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import torch
@@ -57,16 +58,38 @@ def describe(row: list[int], purposes: dict[int, str]) -> str:
 
 
 class Lockstep:
-    """Compares every collective's fingerprint across the ranks of `group` first."""
+    """Compares every collective's fingerprint across the ranks of `group` first.
+
+    `channel(name)` is the same check for another communicator whose collectives every
+    rank issues at the same points (sequence parallelism's groups: each rank has one):
+    its collectives join this one's sequence, compared over this group, labelled
+    `name`. Communicators run concurrently from one thread (ZeRO-3's all-gathers, the
+    gradient group's reduce-scatters, the sequence group's all-to-alls); per-communicator
+    sequences cannot see two ranks issuing them in different orders — with blocking
+    checks that hangs — while one sequence names the first difference (H-2)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, rank: int,
                  world: int):
         self.group, self.device, self.rank, self.world = group, device, rank, world
-        self.seq = 0
+        self.order = [0]  # the sequence number, shared with the channels
+        self.label = ""
         self.purposes = {_code(p): p for p in PURPOSES}
 
+    @property
+    def seq(self) -> int:
+        return self.order[0]
+
+    def channel(self, name: str) -> Lockstep:
+        view = copy.copy(self)  # the same group, sequence and names
+        view.label = name
+        for p in PURPOSES:  # every rank makes the same channels: the names are known
+            self.purposes.setdefault(_code(f"{p} on the {name}"), f"{p} on the {name}")
+        return view
+
     def check(self, op: str, purpose: str, numel: int, dtype: torch.dtype) -> None:
-        self.seq += 1
+        self.order[0] += 1
+        if self.label:
+            purpose = f"{purpose} on the {self.label}"
         self.purposes.setdefault(_code(purpose), purpose)
         mine = torch.tensor(fingerprint(self.seq, op, purpose, numel, dtype),
                             dtype=torch.int64, device=self.device)

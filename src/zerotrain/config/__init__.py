@@ -23,6 +23,7 @@ from zerotrain.config.load import (
 from zerotrain.config.model import (
     DataConfig,
     ModelConfig,
+    MoEConfig,
     llama_intermediate_size,
 )
 from zerotrain.config.run import (
@@ -48,8 +49,9 @@ from zerotrain.config.tree import Config, idle_settings
 
 __all__ = [
     "LIBRARY_DEFAULTS", "CheckpointConfig", "CommConfig", "Config", "ConfigError",
-    "DataConfig", "FP8Config", "FaultConfig", "LoggingConfig", "LossScaleConfig", "ModelConfig",
-    "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig", "SequenceConfig",
+    "DataConfig", "FP8Config", "FaultConfig", "LoggingConfig", "LossScaleConfig", "MoEConfig",
+    "ModelConfig", "OptimizerConfig", "OptimizerName", "PrecisionConfig", "ScheduleConfig",
+    "SequenceConfig",
     "SpikeGuardConfig", "TrainConfig", "WandbConfig", "ZeroConfig", "build_config",
     "check_sequence_parallel", "deep_merge", "idle_settings", "llama_intermediate_size",
     "load_config",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -22,6 +22,14 @@ def _suggest(key: str, options: list[str]) -> str:
     return f" — did you mean '{close[0]}'?" if close else f" (valid keys: {', '.join(options)})"
 
 
+def _section(ann: Any) -> type[BaseModel] | None:
+    """The section model of a field (also an optional one: `MoEConfig | None`)."""
+    for a in (ann, *get_args(ann)):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
 def _check_keys(data: Any, model: type[BaseModel], prefix: str = "") -> None:
     """Reject unknown keys with a 'did you mean' hint before pydantic sees them."""
     if not isinstance(data, dict):
@@ -31,8 +39,12 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str = "") -> None:
         dotted = f"{prefix}{key}"
         if key not in fields:
             options = [f"{prefix}{k}" for k in fields]
-            raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, options)}")
-        ann = fields[key].annotation
+            home = [f"{k}.{key}" for k, f in fields.items()
+                    if key in getattr(_section(f.annotation), "model_fields", {})]
+            hint = f" — it lives in a section: '{home[0]}'" if home and not prefix \
+                else _suggest(dotted, options)
+            raise ConfigError(f"unknown config key '{dotted}'{hint}")
+        ann = _section(fields[key].annotation) or fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             if not isinstance(value, dict):
                 raise ConfigError(

@@ -22,12 +22,39 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 #: Sizes of a model given neither a preset nor a Hugging Face folder (today's small GPT).
 BASE_SIZES: dict[str, int] = {"n_layer": 4, "n_head": 4, "n_embd": 128}
 
-
-
 def llama_intermediate_size(n_embd: int) -> int:
     """SwiGLU hidden width: 8/3 of n_embd (the same parameters as a 4x GELU MLP), rounded
     up to a multiple of 64 so matrix shapes stay friendly to kernels."""
     return -(-(8 * n_embd // 3) // 64) * 64
+
+
+class MoEConfig(_Section):
+    """A mixture of experts in place of each block's MLP (llama family; docs/moe.md)."""
+
+    experts: int = Field(8, ge=2, description="experts per MoE layer")
+    top_k: int = Field(2, ge=1, description="experts each token is sent to")
+    capacity_factor: float | None = Field(
+        None, gt=0.0, description="null: dropless (every token reaches its experts); f: an "
+        "expert takes at most ceil(f * tokens * top_k / experts) tokens, the rest skip it")
+    aux_loss: float = Field(0.01, ge=0.0, description="load-balancing loss coefficient")
+    z_loss: float = Field(0.001, ge=0.0, description="router z-loss coefficient")
+    expert_parallel: int = Field(
+        1, ge=1, description="ranks an expert layer's experts are spread over (1: every "
+        "rank holds every expert, sharded by ZeRO like any parameter)")
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.experts:
+            raise ValueError(f"model.moe.top_k ({self.top_k}) exceeds model.moe.experts "
+                             f"({self.experts}); lower top_k or add experts")
+        if self.experts % self.expert_parallel:
+            raise ValueError(f"model.moe.expert_parallel ({self.expert_parallel}) must divide "
+                             f"model.moe.experts ({self.experts})")
+        if self.expert_parallel > 1:
+            raise ValueError(f"model.moe.expert_parallel {self.expert_parallel}: expert "
+                             "parallelism is not available yet; set model.moe.expert_parallel "
+                             "1 (experts are then sharded by ZeRO like every parameter)")
+        return self
 
 
 class ModelConfig(_Section):
@@ -63,6 +90,9 @@ class ModelConfig(_Section):
     rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary base wavelength")
     norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of the normalisation layers")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    moe: MoEConfig | None = Field(
+        None, description="llama: a mixture of experts for every MLP ({experts, top_k, "
+        "capacity_factor, aux_loss, z_loss}); intermediate_size is then each expert's width")
     activation_checkpointing: bool | Literal["offload"] = Field(
         False, description="recompute each block (the plan's units) in backward instead of "
         "keeping its activations: false | true | offload (also keep each block's input in "
@@ -114,6 +144,15 @@ class ModelConfig(_Section):
         if self.n_head and self.n_kv_head and self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_head ({self.n_head}) must be a multiple of "
                              f"model.n_kv_head ({self.n_kv_head})")
+        if self.moe is not None and self.hf is not None:
+            raise ValueError("model.moe applies to model.arch llama; a model.hf folder's "
+                             "experts (if any) come from its config.json: remove model.moe")
+        if self.moe is not None and self.bias:
+            raise ValueError("model.moe's experts and router have no biases; remove "
+                             "model.bias (or set it false)")
+        if self.moe is not None and self.arch == "gpt":
+            raise ValueError("model.moe applies to model.arch llama (got gpt); set "
+                             "model.arch llama or a llama preset such as llama-moe-tiny")
         if self.arch == "gpt":
             foreign = [f"model.{k} = {getattr(self, k)}" for k, ok in (
                 ("n_kv_head", self.n_kv_head in (None, self.n_head)),

@@ -11,18 +11,12 @@ from pydantic import (
 )
 
 from zerotrain.config.base import _Section
-
-#: The ZeRO stages Offload works at: it moves the *sharded* gradients, master weights
-#: and optimizer states to the host, so it needs the gradient shard. The one statement
-#: of that rule: the config, the memory model, the estimate and the DeepSpeed map ask
-#: `offload_allowed`.
-OFFLOAD_STAGES = (2, 3)
-OFFLOAD_RULE = ("offload needs stage 2 or 3 (it offloads the sharded gradients, master "
-                "weights and optimizer states)")
-
-
-def offload_allowed(stage: int) -> bool:
-    return stage in OFFLOAD_STAGES
+from zerotrain.config.zero_facts import (  # noqa: F401  (re-exported: their old home)
+    OFFLOAD_RULE,
+    OFFLOAD_STAGES,
+    offload_allowed,
+    zero_option_problems,
+)
 
 
 class ZeroConfig(_Section):
@@ -54,6 +48,18 @@ class ZeroConfig(_Section):
         0, ge=0, description="ZeRO-3: units with fewer elements stay gathered between uses"
     )
     prefetch: bool = Field(True, description="ZeRO-3: gather the next unit while this one runs")
+    secondary_partition: int | None = Field(
+        None, ge=1, description="ZeRO++ hpZ (ZeRO-3): after a unit's forward each rank keeps "
+        "its slice of the unit over a group of K consecutive ranks (a node), so the "
+        "backward's all-gather stays inside the group; costs 1/K of each unit until its "
+        "backward. K must divide comm.node_size. null: off")
+    param_wire: Literal["plain", "fp8", "int8"] = Field(
+        "plain", description="ZeRO-3: how gathered parameters travel. fp8: the FP8 linears' "
+        "weights as one byte (precision.fp8.all_gather is its alias; needs precision.fp8); "
+        "int8: ZeRO++ qwZ, every parameter block-quantised (256 per fp32 scale)")
+    grad_wire: Literal["plain", "int8", "int4"] = Field(
+        "plain", description="ZeRO-3: ZeRO++ qgZ, the gradient reduce-scatter reduced in full "
+        "precision inside each node, then block-quantised (int8 or int4) across nodes")
     reductions_in_flight: int | Literal["auto"] = Field(
         "auto", description="gradient reductions that may run while backward goes on; each "
         "holds a full-size bucket (stages 2-3), so every one fewer lowers the peak by a "
@@ -83,16 +89,10 @@ class ZeroConfig(_Section):
         return int(self.reductions_in_flight)
 
     @model_validator(mode="after")
-    def _offload_needs_sharding(self) -> ZeroConfig:
-        if self.offload_optimizer != "none" and not offload_allowed(self.stage):
-            raise ValueError("zero.offload_optimizer needs zero.stage 2 or 3 (it offloads the "
-                             "sharded gradients, master weights and optimizer states)")
-        if self.offload_optimizer == "nvme" and self.stage != 3:
-            raise ValueError("zero.offload_optimizer nvme needs zero.stage 3 (set zero.stage: 3, "
-                             "or offload_optimizer: cpu)")
-        if self.offload_param != "none" and self.stage != 3:
-            raise ValueError("zero.offload_param needs zero.stage 3 (only ZeRO-3 shards the "
-                             f"parameters; got stage {self.stage}): set zero.stage: 3")
+    def _options_need_their_shard(self) -> ZeroConfig:
+        problems = zero_option_problems(self)  # config/zero_facts.py: the facts, once
+        if problems:
+            raise ValueError("; ".join(problems))
         if "nvme" in (self.offload_param, self.offload_optimizer) and not self.nvme_path:
             raise ValueError("an nvme offload tier needs zero.nvme_path (a directory on a fast "
                              "local disk, e.g. zero.nvme_path: /local_nvme/zerotrain)")
@@ -117,6 +117,10 @@ class CommConfig(_Section):
         "auto", description="gradient reductions on a process group of their own; on NCCL "
         "each group is one CUDA stream, so ZeRO-3's reduce-scatters then run beside the "
         "prefetch all-gathers instead of queueing behind them. auto: on with NCCL")
+    node_size: int | None = Field(
+        None, ge=1, description="ranks per node (consecutive ranks share one): splits the byte "
+        "counts into intra- and inter-node bytes and places ZeRO++'s groups. null: "
+        "LOCAL_WORLD_SIZE, else one node. Set it to emulate nodes on one machine")
     check_lockstep: bool = Field(
         False, description="debug: before every collective, check across ranks that all "
         "run the same one (sequence number, operation, size); a mismatch is an error naming "
@@ -195,10 +199,10 @@ class TrainConfig(_Section):
         "auto", description="host (glibc) tensors of at least this many MiB (at most 32) get "
         "their own memory map, returned to the OS when freed; glibc's default lets its "
         "heap keep freed blocks below a threshold that rises to 32 MiB, which a long "
-        "sequence's step fragments (memory/host.py). auto: 1 with sequence.tile_tokens or "
-        "sequence.parallel > 1, else glibc's default (fresh maps cost page faults: the main "
-        "job ran 35% slower with 1); null: glibc's default (so does a "
-        "MALLOC_MMAP_THRESHOLD_ in the environment)")
+        "sequence's step fragments (memory/host.py). auto: 4 with sequence.tile_tokens or "
+        "sequence.parallel > 1 (above the CPU optimizer's 1 MiB blocks), else glibc's "
+        "default (fresh maps cost page faults: the main job ran 35% slower with 1); "
+        "null: glibc's default (so does a MALLOC_MMAP_THRESHOLD_ in the environment)")
     max_skipped_steps: int = Field(
         50, ge=1, description="abort after this many consecutive skipped (non-finite) steps; "
         "fp16's loss-scale search never needs as many")

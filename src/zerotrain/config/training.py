@@ -40,6 +40,12 @@ class OptimizerConfig(_Section):
         "(Jordan's, DeepSpeed's; Muon lrs near 0.02)"
     )
     decay_1d: bool = Field(False, description="apply weight decay to biases and norm gains too")
+    state_dtype: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32", description="how optimizer states are stored (AdamW/Adam, Lion, SGD and "
+        "Muon momentum): fp32; bf16; int8 = block-wise quantised, one fp32 scale per 256 "
+        "elements, a dynamic (non-linear) map, second moments as sqrt(v); the update runs "
+        "in fp32 on dequantised chunks (docs/compact-states.md)"
+    )
     compile: bool | Literal["auto"] = Field(
         "auto", description="Adam/AdamW: run the update through torch.compile as one fused "
         "pass (as fast as torch's fused kernel; costs seconds of compilation and ~150 MiB "
@@ -69,7 +75,19 @@ class OptimizerConfig(_Section):
                 raise ValueError(f"optimizer.betas must lie in [0, 1), got {list(self.betas)}")
         if self.nesterov and self.name == "sgd" and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("optimizer.nesterov needs optimizer.momentum > 0 and dampening 0")
+        if self.state_dtype != "fp32" and self.name in ("adagrad", "rmsprop"):
+            raise ValueError(f"optimizer.state_dtype {self.state_dtype} is implemented for "
+                             f"adamw, adam, lion, sgd and muon, not {self.name}; use "
+                             "optimizer.state_dtype fp32")
         return self
+
+    def state_note(self) -> str | None:
+        """A note when optimizer.state_dtype has nothing to store (plain SGD)."""
+        if self.state_dtype != "fp32" and self.name == "sgd" and self.momentum == 0:
+            return (f"[zerotrain] optimizer.state_dtype {self.state_dtype}: SGD without "
+                    "momentum keeps no optimizer state, so there is nothing to store "
+                    "compactly; running as configured")
+        return None
 
 
 #: warmup of a run that does not set schedule.warmup_steps: this many steps, or a tenth
@@ -177,6 +195,15 @@ class PrecisionConfig(_Section):
     )
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
     fp8: FP8Config = Field(default_factory=FP8Config)
+    master_dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="dtype of the weights the optimizer updates. null: fp32 for "
+        "dtype bf16/fp16 (a separate fp32 master), bf16 for bf16-pure. bf16 (with dtype "
+        "bf16): the bf16 parameters are the masters, updated by master_update")
+    master_update: Literal["kahan", "stochastic", "plain"] | None = Field(
+        None, description="how bf16 masters take an update: kahan = a bf16 compensation "
+        "buffer keeps what rounding dropped (2 bytes/param); stochastic = rounded up or "
+        "down at random, unbiased (0 bytes); plain = round to nearest (small updates are "
+        "lost). null: kahan, or plain for bf16-pure")
     tf32: bool | Literal["auto"] = Field(
         "auto", description="fp32 matrix multiplies on TF32 tensor cores "
         "(torch.set_float32_matmul_precision('high')), about 8x faster on A100/H100 at a "
@@ -190,3 +217,35 @@ class PrecisionConfig(_Section):
                 "scale each tensor themselves, and fp16's loss scaling on top is not "
                 "supported; use precision.dtype bf16")
         return self
+
+    @model_validator(mode="after")
+    def _masters(self) -> PrecisionConfig:
+        if self.master_dtype == "bf16" and self.dtype in ("fp16", "fp32"):
+            raise ValueError(
+                f"precision.master_dtype bf16 needs precision.dtype bf16, not {self.dtype}: "
+                + ("fp16 compute keeps fp32 masters (its loss scaling and 5-bit exponent "
+                   "need them)" if self.dtype == "fp16" else "fp32 parameters are their "
+                   "own fp32 masters") + "; set precision.dtype bf16 or master_dtype fp32")
+        if self.dtype == "bf16-pure" and self.master_dtype == "fp32":
+            raise ValueError("precision.dtype bf16-pure means bf16 masters; for fp32 masters "
+                             "use precision.dtype bf16")
+        if self.dtype == "bf16-pure" and self.master_update not in (None, "plain"):
+            raise ValueError(
+                f"precision.dtype bf16-pure is bf16 masters with master_update plain; for "
+                f"{self.master_update} use precision.dtype bf16 with master_dtype bf16")
+        if self.master_update is not None and self.bf16_masters is False:
+            raise ValueError("precision.master_update applies to bf16 masters only; set "
+                             "precision.master_dtype bf16 (with dtype bf16) or remove it")
+        return self
+
+    @property
+    def bf16_masters(self) -> bool:
+        """Whether the optimizer updates bf16 weights (no fp32 copy anywhere)."""
+        return self.dtype == "bf16-pure" or self.master_dtype == "bf16"
+
+    @property
+    def update_rule(self) -> str:
+        """How masters take updates: none (fp32 masters), plain, kahan or stochastic."""
+        if not self.bf16_masters:
+            return "none"
+        return self.master_update or ("plain" if self.dtype == "bf16-pure" else "kahan")

@@ -66,11 +66,19 @@ class Config(_Section):
         if s.warmup_start_lr > self.optimizer.lr:
             raise ValueError(f"schedule.warmup_start_lr ({s.warmup_start_lr}) is above the peak "
                              f"optimizer.lr ({self.optimizer.lr})")
-        if self.optimizer.name == "muon" and self.zero.offload_optimizer == "nvme":
-            raise ValueError("optimizer.name muon with zero.offload_optimizer nvme: the disk "
-                             "tier streams elementwise optimizer states unit by unit and Muon "
-                             "updates whole matrices; use zero.offload_optimizer cpu or none "
-                             "with Muon")
+        if (muon := _muon_problem(self)) is not None:
+            raise ValueError(muon)
+        if self.zero.param_wire == "fp8" and not self.precision.fp8.enabled:
+            raise ValueError("zero.param_wire fp8 sends the FP8 linears' weights; it needs "
+                             "precision.fp8.enabled true (or use zero.param_wire int8)")
+        if self.precision.fp8.all_gather and self.zero.param_wire == "int8":
+            raise ValueError("precision.fp8.all_gather (= zero.param_wire fp8) and "
+                             "zero.param_wire int8 are two wires for the same gather; pick one")
+        zpp = [f for f, on in (("secondary_partition", self.zero.secondary_partition),
+                                ("grad_wire", self.zero.grad_wire != "plain")) if on]
+        if zpp and self.sequence.parallel > 1:
+            raise ValueError(f"zero.{zpp[0]} places groups by node over every rank; it does not "
+                             "combine with sequence.parallel > 1 yet: remove one of them")
         if self.precision.fp8.all_gather and self.zero.stage != 3:
             raise ValueError("precision.fp8.all_gather gathers ZeRO-3's sharded weights; it "
                              f"needs zero.stage 3 (got {self.zero.stage})")
@@ -95,6 +103,21 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def _muon_problem(cfg: Config) -> str | None:
+    """Why Muon cannot run with this config's other settings, if it cannot."""
+    if cfg.optimizer.name != "muon":
+        return None
+    if cfg.zero.offload_optimizer == "nvme":
+        return ("optimizer.name muon with zero.offload_optimizer nvme: the disk tier streams "
+                "elementwise optimizer states unit by unit and Muon updates whole matrices; "
+                "use zero.offload_optimizer cpu or none with Muon")
+    if cfg.model.moe is not None:
+        return ("optimizer.name muon with model.moe: Muon would orthogonalise a layer's fused "
+                "experts [E, 2I, d] as one matrix, not expert by expert; use optimizer.name "
+                "adamw")
+    return None
 
 
 def idle_settings(cfg: Config) -> list[str]:

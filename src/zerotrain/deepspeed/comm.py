@@ -5,16 +5,14 @@ open (rank 0 of 1), as DeepSpeed's own give after `init_distributed` without a l
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from zerotrain.comm.dist import init_distributed as _init_distributed
-from zerotrain.comm.dist import launched_by_torchrun, local_rank
-from zerotrain.deepspeed import engine
+from zerotrain.comm.dist import local_rank
+from zerotrain.deepspeed import group as ds_group
 
 __all__ = ["ReduceOp", "all_gather", "all_reduce", "barrier", "broadcast", "get_local_rank",
            "get_rank", "get_world_size", "init_distributed", "is_initialized"]
@@ -33,16 +31,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         raise ValueError("init_distributed(init_method=, rank=, world_size=): zerotrain opens "
                          "the group from the launcher's environment only; start the script "
                          "with torchrun (or zerotrain train --nproc)")
-    if not launched_by_torchrun():
-        return
-    if os.environ.get("ZEROTRAIN_LAUNCHER_PID"):  # started by `zerotrain launch`
-        from zerotrain.comm.launch import quiet_when_peer_gone
-        from zerotrain.run.lifecycle import die_with_parent
-
-        die_with_parent()
-        quiet_when_peer_gone()
     seconds = int(timeout.total_seconds()) if timeout is not None else 1800
-    engine.OPENED_GROUP = _init_distributed("auto", dist_backend or "auto", seconds).owns_group
+    ds_group.open_group(dist_backend or "auto", seconds)
 
 
 def is_initialized() -> bool:

@@ -4,7 +4,8 @@ The same sampling as DeepSpeed's loader: torch's DistributedSampler with its def
 (shuffled with seed 0, the same order every epoch unless the script calls
 `loader.sampler.set_epoch`), so each rank draws a disjoint part, in DeepSpeed's
 order; batches of the config's micro-batch size; `dataloader_drop_last` from the
-config. Loading runs in the training process (DeepSpeed starts two workers per rank):
+config. Any map-style dataset (a Hugging Face `datasets.Dataset` too, as DeepSpeed's
+DataLoader takes it). Loading runs in the training process (DeepSpeed starts two workers per rank):
 the batches are the same.
 """
 
@@ -19,9 +20,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 def distributed_loader(dataset: Any, batch_size: int, rank: int, world: int,
                        collate_fn: Callable | None = None, drop_last: bool = False
                        ) -> DataLoader:
-    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset):
-        raise ValueError("training_data must be a map-style torch.utils.data.Dataset "
-                         f"(zerotrain.deepspeed shards it by index), not "
+    map_style = isinstance(dataset, Dataset) or (hasattr(dataset, "__getitem__")
+                                                 and hasattr(dataset, "__len__"))
+    if isinstance(dataset, IterableDataset) or not map_style:
+        raise ValueError("training_data must be a map-style dataset (a torch.utils.data."
+                         "Dataset, a Hugging Face datasets.Dataset, anything with __len__ and "
+                         "__getitem__: zerotrain.deepspeed shards it by index), not "
                          f"{type(dataset).__name__}")
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,

@@ -26,6 +26,7 @@ from torch import nn
 
 from zerotrain.comm.dist import local_rank
 from zerotrain.config import Config
+from zerotrain.deepspeed import group as ds_group
 from zerotrain.deepspeed import zero
 from zerotrain.deepspeed.optim import (
     HYPER,
@@ -36,13 +37,10 @@ from zerotrain.deepspeed.optim import (
     hyper_of,
     user_groups,
 )
+from zerotrain.deepspeed.surface import HFSurface
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
-
-#: whether zerotrain.deepspeed opened the process group (and so closes it at exit)
-OPENED_GROUP = False
-
 
 _UNCAUGHT = False
 _previous_hook = sys.excepthook
@@ -66,7 +64,7 @@ def _close_all() -> None:
     (the others may never get there)."""
     for engine in list(zero.ENGINES):
         engine.close()
-    if OPENED_GROUP and torch.distributed.is_initialized():
+    if ds_group.OPENED and torch.distributed.is_initialized():
         if not _UNCAUGHT:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -77,12 +75,14 @@ def _rank0(msg: str) -> None:
         print(f"[zerotrain.deepspeed] {msg}", flush=True)
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(HFSurface, Engine, nn.Module):
     def __init__(self, model: nn.Module, config: Config, ds: dict[str, Any],
                  client_optimizer: Any = None, model_parameters: Any = None,
                  client_lr_scheduler: Any = None, collate_fn: Any = None):
         """`config`: the zerotrain Config mapped from the DeepSpeed dict `ds` (with the
         client optimizer's name when there is one)."""
+        nn.Module.__init__(self)  # an nn.Module whose one submodule is `module`
+        self.ds_config = ds  # `engine.config` answers it (surface.py)
         if callable(client_optimizer) and not isinstance(client_optimizer,
                                                          torch.optim.Optimizer):
             client_optimizer = client_optimizer(user_groups(model, model_parameters))
@@ -117,7 +117,11 @@ class DeepSpeedEngine(Engine):
             plan = self._muon_plan(plan, where)
         else:
             plan = dataclasses.replace(plan, groups=where)
-        super().__init__(model, config, plan=plan)
+        pending = zero.take_pending(model)  # weights written under zero.GatheredParameters
+        meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        whole = bool(pending) and all(n in pending for n in meta)  # from_pretrained's case
+        super().__init__(model, config, plan=plan, weights=(lambda n, a, b: pending[n].reshape(
+            -1)[a:b]) if whole else None)  # each rank's shard read from them, unit by unit
         self.ds_config = ds
         self.collate_fn = collate_fn
         self.training_dataloader = None
@@ -130,23 +134,27 @@ class DeepSpeedEngine(Engine):
                                         else client_lr_scheduler)
         else:
             self.client_lr_scheduler = config_scheduler(self.param_source, config, ds)
-        pending = zero.take_pending(model)  # weights written under zero.GatheredParameters
-        if pending:
+        if pending and not whole:
             with self.full_parameters():
                 self.write_weights(pending)
+        pending = {}  # the loaded weights are the shards' now
+        self.mark_status()
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         zero.ENGINES.add(self)
 
-    def write_weights(self, values: dict[str, torch.Tensor]) -> None:
+    def write_weights(self, values: dict[str, torch.Tensor], params: Any = None) -> None:
         """Make the master weights every rank keeps equal the parameters as they are now
-        (whole: call inside `full_parameters()`), with `values` (by name) taking the place
-        of theirs."""
+        (whole: call inside `full_parameters(params)`), with `values` (by name) taking the
+        place of theirs; with `params`, only the masters of the units holding them."""
         full = dict(self.module.named_parameters())
 
         def read(name: str, start: int, stop: int) -> torch.Tensor:
             t = values[name] if name in values else full[name].detach()
             return t.reshape(-1)[start:stop]
-        self.strategy.load_weights(read)
+        units_of = getattr(self.strategy, "units_of", None)
+        only = None if params is None or units_of is None else \
+            {u.index for u in units_of(params)}
+        self.strategy.load_weights(read, only)
 
     # ------------------------------------------------------------------ optimizer
     def _muon_plan(self, plan: Any, where: dict[str, int]) -> Any:
@@ -183,6 +191,8 @@ class DeepSpeedEngine(Engine):
 
     def _step(self) -> StepInfo | None:
         info = super()._step()
+        if info is not None:
+            self.param_source.overflow = info.skipped
         if info is not None and not info.skipped:  # DeepSpeed skips it on overflow
             if self.client_optimizer is not None:
                 # a torch scheduler checks that its optimizer stepped before it does
@@ -219,7 +229,9 @@ class DeepSpeedEngine(Engine):
         return self.config.precision.dtype == "bf16"
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
+        """The config's stage, as DeepSpeed answers (ZeRO-1 + Offload runs as ZeRO-2)."""
+        given = (self.ds_config.get("zero_optimization") or {}).get("stage")
+        return given if isinstance(given, int) else self.config.zero.stage
 
     def zero_optimization(self) -> bool:
         return self.config.zero.stage > 0
@@ -229,10 +241,12 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,  # type: ignore[override]
                  scale_wrt_gas: bool = True) -> torch.Tensor:
-        if retain_graph or not scale_wrt_gas:
-            raise ValueError("engine.backward: retain_graph=True and scale_wrt_gas=False are "
-                             "not supported by zerotrain.deepspeed; call backward(loss)")
-        super().backward(loss)
+        if retain_graph:
+            raise ValueError("engine.backward: retain_graph=True is not supported by "
+                             "zerotrain.deepspeed; call backward(loss)")
+        # scale_wrt_gas=False (the HF Trainer): the loss is already divided by the
+        # accumulation steps; the engine's own 1/accum is undone
+        super().backward(loss if scale_wrt_gas else loss * self.accum)
         return loss
 
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None,
@@ -303,6 +317,7 @@ class DeepSpeedEngine(Engine):
             self.strategy.load_state_dict(sd["strategy"])
             self._load_buffers(sd.get("buffers", {}))
         else:
+            sd.pop("rng", None)  # as DeepSpeed: the process's RNG is the script's to restore
             self.load_state_dict(sd)
             saved = info.meta.get("extra", {}).get("deepspeed") or {}
             if keep_optimizer and saved.get("groups"):

@@ -52,6 +52,8 @@ class ParamGroups(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any]):
         super().__init__(groups, defaults)
+        #: whether the last update was skipped (Accelerate's `step_was_skipped` reads it)
+        self.overflow = False
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         raise RuntimeError("the optimizer returned by zerotrain.deepspeed.initialize does not "

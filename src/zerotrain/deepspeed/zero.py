@@ -1,15 +1,18 @@
 """`deepspeed.zero.Init` and `deepspeed.zero.GatheredParameters`.
 
-`Init`: the model built inside the block lives on the meta device (no weights are
-allocated); `initialize` then lays it out and gives each rank only its part, unit by
-unit, with the values of each module's `reset_parameters()` (or the model plan's init
-rule). The values are drawn when the engine lays the model out, not while it is built:
-the same distributions as an eager build, other draws. Load real weights inside
-`GatheredParameters(..., modifier_rank=0)`, before or after `initialize`.
+`Init`: the parameters of the model built inside the block live on the meta device
+(each goes there as it is registered, so no more than one is ever allocated; buffers,
+such as rotary tables, are built for real); `initialize` then lays it out and gives
+each rank only its part, unit by unit, with the values of each module's
+`reset_parameters()` (or the model plan's init rule). The values are drawn when the
+engine lays the model out, not while it is built: the same distributions as an eager
+build, other draws. Load real weights inside `GatheredParameters(...,
+modifier_rank=0)`, before or after `initialize` (from_pretrained does: the engine then
+reads each rank's shard from the loaded values).
 
-`GatheredParameters(params, modifier_rank=None)`: inside the block every parameter of
-the engine's model is whole on every rank (ZeRO-3 gathers; a collective, so every rank
-enters it). With `modifier_rank`, that rank's values of `params` are broadcast on exit
+`GatheredParameters(params, modifier_rank=None)`: inside the block `params` are whole on
+every rank (ZeRO-3 gathers the units holding them, not the whole model; a collective,
+so every rank enters it). With `modifier_rank`, that rank's values of `params` are broadcast on exit
 and become the master weights every rank keeps (re-sharded); without it, edits are
 discarded as in DeepSpeed where weights are partitioned. (DeepSpeed 0.19.8 itself,
 after `initialize`: at ZeRO-1-3 its first step writes its fp32 masters, copied before
@@ -26,6 +29,8 @@ writes them over the initial values; the parameters go back to the meta device.
 
 from __future__ import annotations
 
+import enum
+import itertools
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -34,6 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from zerotrain.comm.dist import comm_device
+from zerotrain.deepspeed.group import open_group
 
 
 @contextmanager
@@ -48,8 +57,53 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
     if not enabled:
         yield
         return
-    with torch.device("meta"):
+    open_group()  # as DeepSpeed's Init does (deepspeed/group.py)
+    counter = itertools.count()
+
+    def to_meta(module: Any, name: str, param: Any) -> Any:
+        """Each parameter goes to the meta device as it is registered (its host copy
+        freed at once: one parameter at a time), numbered in creation order."""
+        if param is None:
+            return None
+        if param.device.type != "meta":
+            param = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype,
+                                                   device="meta"), param.requires_grad)
+        param._zt_order = next(counter)  # every rank builds the same model: the same order
+        return param
+    hook = register_module_parameter_registration_hook(to_meta)
+    try:
         yield
+    finally:
+        hook.remove()
+
+
+def _ordered(params: list[Tensor], engine: Any = None) -> list[Tensor]:
+    """`params` in an order every rank agrees on (callers pass sets: transformers does),
+    for the broadcasts: the engine's parameter order, else the order of creation."""
+    if engine is not None:
+        index = {id(p): i for i, p in enumerate(engine.module.parameters())}
+        return sorted(params, key=lambda p: index.get(id(p), -1))
+    return sorted(params, key=lambda p: getattr(p, "_zt_order", -1))
+
+
+#: DeepSpeed's Init wraps torch's tensor constructors and transformers swaps that wrapper
+#: around it (`prevent_arange_dtype_change`); zerotrain's Init builds on the meta device
+#: and wraps nothing, so the hook is the identity
+_orig_torch_arange = torch.arange
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ZeRO-3 parameter states (zerotrain's parameters are whole inside the
+    forward and inside `GatheredParameters`)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: Any = None,
+                                           target_device: Any = None) -> Any:
+    return fn
 
 
 #: live engines (zerotrain.deepspeed.engine registers each), so GatheredParameters can
@@ -73,10 +127,20 @@ def _owner(params: list[Tensor]) -> Any:
 
 
 def _broadcast(params: list[Tensor], src: int) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for p in params:
+    """`src`'s values on every rank, through the device the group's backend takes: NCCL
+    has no CPU backend, and the parameters of a model built under `Init` are host
+    tensors before `initialize` ("No backend type associated with device type cpu")."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    dev = comm_device()
+    with torch.no_grad():
+        for p in params:
+            if p.device == dev:
                 dist.broadcast(p.data, src=src)
+                continue
+            t = p.data.to(dev)
+            dist.broadcast(t, src=src)
+            p.data.copy_(t)
 
 
 #: id(parameter) -> (parameter, values written before initialize); initialize takes them
@@ -92,13 +156,25 @@ def take_pending(module: torch.nn.Module) -> dict[str, Tensor]:
     return out
 
 
+def _swap(p: Tensor, data: Tensor) -> None:
+    """Give `p` other storage in place, keeping its Python attributes (transformers marks
+    loaded weights with `_is_hf_initialized`) and its class."""
+    attrs = dict(p.__dict__)
+    new = (torch.nn.Parameter(data, p.requires_grad) if isinstance(p, torch.nn.Parameter)
+           else data)
+    torch.utils.swap_tensors(p, new)
+    p.__dict__.update(attrs)
+
+
 @contextmanager
 def _on_host(params: list[Tensor], modifier_rank: int | None) -> Iterator[None]:
-    """Meta parameters made real (zeros) for the block, kept aside on exit."""
+    """Meta parameters made real for the block (zeros, or the values written in an
+    earlier block), kept aside on exit."""
     meta = [p for p in params if p.device.type == "meta"]
     for p in meta:
-        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
-                                                       p.requires_grad))
+        held = _PENDING.get(id(p))
+        _swap(p, held[1].clone() if held is not None and held[0] is p
+              else torch.zeros(p.shape, dtype=p.dtype))
     try:
         yield
         if modifier_rank is not None:
@@ -107,8 +183,7 @@ def _on_host(params: list[Tensor], modifier_rank: int | None) -> Iterator[None]:
                 _PENDING[id(p)] = (p, p.detach().clone())
     finally:
         for p in meta:
-            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(
-                p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
+            _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
 
 
 @contextmanager
@@ -125,12 +200,13 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None,
         yield
         return
     engine = _owner(plist)
+    plist = _ordered(plist, engine)
     if engine is None:  # before initialize: the parameters are the module's own
         with _on_host(plist, modifier_rank):
             yield
         return
-    with engine.full_parameters():
+    with engine.full_parameters(plist):  # only the units holding `params` (as DeepSpeed)
         yield
         if modifier_rank is not None:
             _broadcast(plist, modifier_rank)
-            engine.write_weights({})
+            engine.write_weights({}, plist)

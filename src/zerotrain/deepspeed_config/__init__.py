@@ -145,8 +145,10 @@ def deepspeed_to_yaml(path: str | Path, world_size: int | None = None,
     load_deepspeed_config(path, world_size, overrides)  # the same errors as training would
     head = [f"# zerotrain config mapped from DeepSpeed config {m.source}"]
     if m.world_size_used:
+        sp = m.config.get("sequence", {}).get("parallel", 1)
+        dp = "world size" if sp in (1, None) else f"world size / sequence.parallel {sp}"
         head.append(f"# world size {m.world_size} (train_batch_size = micro batch × "
-                    "accumulation × world size)")
+                    f"accumulation × {dp})")
     head += [f"#   note: {n}" for n in m.notes]
     order = list(Config.model_fields)
     ordered = {k: m.config[k] for k in sorted(m.config, key=order.index)}

@@ -37,16 +37,9 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     _Z + "cpu_offload_param": (False, "use zero_optimization.offload_param.device cpu"),
     _Z + "offload_optimizer.ratio": (1.0, "zerotrain offloads the whole optimizer (a ratio "
                                           "below 1 keeps a part of it on the device)"),
-    _Z + "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning: " + _OFF),
-    _Z + "zero_quantized_weights": (False, "ZeRO++ quantized weights: " + _OFF),
     _Z + "zero_quantized_nontrainable_weights": (False, _OFF),
-    _Z + "zero_quantized_gradients": (False, "ZeRO++ quantized gradients: " + _OFF),
     _Z + "mics_shard_size": (-1, "MiCS sub-group sharding: " + _OFF),
     _Z + "mics_hierarchical_params_gather": (False, _OFF),
-    _Z + "stage3_gather_16bit_weights_on_model_save": (
-        False, "zerotrain saves sharded checkpoints; `zerotrain export` consolidates them"),
-    _Z + "stage3_gather_fp16_weights_on_model_save": (
-        False, "zerotrain saves sharded checkpoints; `zerotrain export` consolidates them"),
     _Z + "stage3_module_granularity_threshold": (0, "ZeRO-3 units come from the model's plan"),
     _Z + "stage3_use_all_reduce_for_fetch_params": (False, _OFF),
     "optimizer.params.amsgrad": (False, "zerotrain's Adam has no AMSGrad variant"),
@@ -87,6 +80,10 @@ IGNORED: dict[str, str] = {
     "tensorboard.job_name": _WHERE,
     "csv_monitor.output_path": _WHERE,
     "csv_monitor.job_name": _WHERE,
+    _Z + "stage3_gather_16bit_weights_on_model_save": "read by zerotrain.deepspeed's engine "
+    "(save_model of the HF Trainer gathers the whole weights); checkpoints stay sharded",
+    _Z + "stage3_gather_fp16_weights_on_model_save": "the old name of "
+    "stage3_gather_16bit_weights_on_model_save",
     _Z + "contiguous_gradients": "zerotrain's gradients always live in flat buffers",
     _Z + "allgather_bucket_size": "zerotrain sizes all its collectives by zero.bucket_mb "
                                   "(from reduce_bucket_size)",
@@ -124,6 +121,13 @@ IGNORED: dict[str, str] = {
                                    "default weight_decay is honoured)",
     "optimizer.params.set_grad_none": "zerotrain's gradients are flat buffers",
     "optimizer.params.ns_method": "zerotrain runs the quintic Newton-Schulz iteration",
+}
+
+#: DeepSpeed settings (sections) that exist in DeepSpeed 0.19.8 but not in zerotrain
+UNIMPLEMENTED: dict[str, str] = {
+    "zero_optimization.zenflow": "ZenFlow (stall-free offloaded updates of the important "
+                                 "gradient columns) has no zerotrain equivalent; remove "
+                                 "'zenflow' (zerotrain's ZeRO-Offload updates every step)",
 }
 
 FEATURES: dict[str, str] = {

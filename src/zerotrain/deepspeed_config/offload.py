@@ -55,7 +55,7 @@ def _device(r: Reader, section: str, stage: int) -> str:
     elif dev == "nvme" and stage != 3:
         r.problem(path, f"zerotrain keeps optimizer states on NVMe at ZeRO stage 3 only; set "
                         f"{_Z}.stage 3 or device cpu")
-    elif not offload_allowed(stage):
+    elif not offload_allowed(stage) and not (stage == 1 and section == "offload_optimizer"):
         r.problem(path, f"zerotrain offloads from ZeRO stage 2 or 3 (DeepSpeed also at 1); "
                         f"set {_Z}.stage 2")
     else:

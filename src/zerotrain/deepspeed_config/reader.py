@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from zerotrain.config import Config
-from zerotrain.deepspeed_config.keys import FEATURES, IGNORED, MAPPED, ONLY_DEFAULT
+from zerotrain.deepspeed_config.keys import FEATURES, IGNORED, MAPPED, ONLY_DEFAULT, UNIMPLEMENTED
 
 _MISSING = object()
 
@@ -113,9 +113,20 @@ class Reader:
                 section = path.split(".")[0]
                 self.problem(path, f"not a parameter of {section} type "
                                    f"{self.data[section].get('type')} as zerotrain maps it")
+            elif _unimplemented(path) is not None:
+                self.problem(path, "a DeepSpeed setting zerotrain does not implement: "
+                             + str(_unimplemented(path)))
             else:
                 self.problem(path, "not a DeepSpeed setting zerotrain maps"
                              + _suggest(path, self.used))
+
+
+def _unimplemented(path: str) -> str | None:
+    """Why a real DeepSpeed setting has no zerotrain counterpart, or None."""
+    for prefix, why in UNIMPLEMENTED.items():
+        if path == prefix or path.startswith(prefix + "."):
+            return why
+    return None
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -13,9 +13,16 @@ DS_PREFETCH_BUCKET = 50_000_000     # stage3_prefetch_bucket_size default (eleme
 
 
 def batch(r: Reader, world: int, out: dict[str, Any]) -> bool:
-    """The batch triple: any two give the third. Returns whether the world size mattered."""
+    """The batch triple: any two give the third. Returns whether the world size mattered.
+
+    The global batch is micro × accumulation × the data-parallel size: the ranks of one
+    sequence-parallel group (`sequence.parallel`) share a batch, as DeepSpeed counts them."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu",
              "gradient_accumulation_steps")
+    sp = r.zt("sequence.parallel")
+    if not (isinstance(sp, int) and sp >= 1 and world % sp == 0):
+        sp = 1  # build_config names a bad sequence.parallel
+    world //= sp  # from here: the data-parallel size
     tb, mb, ga = (None if r.is_auto(n) else r.get(n, None, int) for n in names)
     for n, v in zip(names, (tb, mb, ga)):
         if v is not None and v < 1:
@@ -35,19 +42,26 @@ def batch(r: Reader, world: int, out: dict[str, Any]) -> bool:
         known = mb if mb is not None else ga
         if tb % (known * world):
             r.problems.append(f"{names[0]}={tb} is not divisible by "
-                              f"{names[1] if mb is not None else names[2]}={known} × world "
-                              f"size {world}; give all three consistently")
+                              f"{names[1] if mb is not None else names[2]}={known} × "
+                              f"{_ranks(world, sp)}; give all three consistently")
             return True
         mb, ga = (mb, tb // (mb * world)) if mb is not None else (tb // (ga * world), ga)
     elif tb is not None and tb != mb * ga * world:
         r.problems.append(f"inconsistent batch: {names[0]}={tb} but {names[1]}={mb} × "
-                          f"{names[2]}={ga} × world size {world} = {mb * ga * world}")
+                          f"{names[2]}={ga} × {_ranks(world, sp)} = {mb * ga * world}")
         return True
     for n, v in zip(names, (mb * (ga or 1) * world, mb, ga or 1)):
         if r.is_auto(n) and not any(note.startswith(f"{n}: auto") for note in r.notes):
             r.notes.append(f"{n}: auto -> {v} (derived from the other two)")
     out.setdefault("data", {}).update(micro_batch_size=mb, grad_accum_steps=ga or 1)
     return tb is not None
+
+
+def _ranks(dp: int, sp: int) -> str:
+    """How the batch messages name the rank count the triple multiplies by."""
+    if sp > 1:
+        return f"data-parallel size {dp} (world size / sequence.parallel {sp})"
+    return f"world size {dp}"
 
 
 def _dtype_choice(r: Reader, path: str, model: str) -> str:
@@ -139,8 +153,37 @@ def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
         for key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
             if r.raw(f"{z}.{key}", None) is not None:
                 r.notes.append(f"{z}.{key}: ignored below stage 3 (as DeepSpeed does)")
+    zero_plus_plus(r, stage, zero)
     offload(r, stage, zero)
+    if stage == 1 and zero.get("offload_optimizer") == "cpu":
+        zero["stage"] = 2
+        r.notes.append(f"{z}.stage=1 with offload_optimizer cpu: run as zerotrain's ZeRO-2 + "
+                       "Offload (DeepSpeed's ZeRO-1 and -2 are one optimizer; with Offload "
+                       "both update this rank's shard on the host from the averaged "
+                       "gradients: the same updates)")
     out["zero"] = zero
+
+
+def zero_plus_plus(r: Reader, stage: int, zero: dict[str, Any]) -> None:
+    """ZeRO++'s three keys onto zerotrain's three options (ZeRO-3 only, as DeepSpeed's):
+    hpZ's group size, qwZ's int8 weights, qgZ's gradients (int4 across nodes, as the
+    ZeRO++ paper quantises them)."""
+    z = "zero_optimization"
+    hpz = r.get(f"{z}.zero_hpz_partition_size", 1, int)
+    qw = r.get(f"{z}.zero_quantized_weights", False, bool)
+    qg = r.get(f"{z}.zero_quantized_gradients", False, bool)
+    for key, on in (("zero_hpz_partition_size", hpz > 1), ("zero_quantized_weights", qw),
+                    ("zero_quantized_gradients", qg)):
+        if on and stage != 3:
+            r.problem(f"{z}.{key}", "is a ZeRO-3 option (ZeRO++); set zero_optimization.stage 3")
+    if stage != 3:
+        return
+    if hpz > 1:
+        zero["secondary_partition"] = hpz
+    if qw:
+        zero["param_wire"] = "int8"
+    if qg:
+        zero["grad_wire"] = "int4"
 
 
 def monitors(r: Reader, out: dict[str, Any]) -> None:
@@ -156,7 +199,9 @@ def monitors(r: Reader, out: dict[str, Any]) -> None:
              (("project", "project"), ("entity", "team"), ("group", "group"))}
     if any(v is not None for v in wandb.values()):
         logging["wandb"] = {k: v for k, v in wandb.items() if v is not None}
-    if "steps_per_print" in r.data:
+    if r.data.get("steps_per_print") == float("inf"):  # Accelerate's "never print"
+        r.get("steps_per_print", 10, float)
+    elif "steps_per_print" in r.data:
         logging["log_every"] = r.get("steps_per_print", 10, int, auto="logging.log_every")
     if logging:
         out["logging"] = logging

@@ -76,6 +76,7 @@ from zerotrain.memory.traffic import (
     collective_traffic,
     muon_mean_traffic,
     muon_traffic,
+    node_traffic,
     shape_traffic,
     traffic_per_step,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "muon_mean_traffic",
     "muon_state_bytes",
     "muon_traffic",
+    "node_traffic",
     "offload_problem",
     "phase_estimates",
     "precision_bytes",

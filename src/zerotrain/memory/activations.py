@@ -16,7 +16,8 @@ statistics, attention's log-sum-exp and the loss are fp32.
 - **head**: the final norm, and untiled the fp32 log-softmax `[n × V]`; at backward's
   start its gradient and the logits' gradient join it (3·n·V·4 at once — the largest
   transient of a long-sequence step). Tiled: one tile's logits and softmax (2·N·V·4),
-  the hidden states' gradient (n·h) and the head weight's accumulated gradient (V·h).
+  the hidden states' gradient (n·h) and the head weight's accumulated gradient (V·h,
+  summed in fp32: below fp32 the sum and one tile's product, V·h·(4 + bytes)).
 - **checkpointing**: every block keeps only its input (n·h), and backward recomputes one
   block at a time: that block's saved activations plus its gradients in flight.
   `offload` moves the kept inputs to pinned host memory (`host`); on CUDA at most two are
@@ -123,6 +124,32 @@ class _Shape:
     inter: int
     vocab: int
     kv: int = 0  # KV heads (0: as many as query heads)
+    experts: int = 0  # a MoE's experts per layer (0: a dense MLP)
+    top_k: int = 1  # experts per token: `inter` is then top_k x one expert's width
+
+
+def moe_shape(raw: dict[str, Any]) -> tuple[int, int, int | None]:
+    """(experts, top_k, expert width) of a Hugging Face MoE config.json; (0, 1, None)
+    for a dense one. transformers' names: Mixtral's num_local_experts, Qwen-MoE's
+    num_experts and moe_intermediate_size."""
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
+    if not experts or not raw.get("num_experts_per_tok"):
+        return 0, 1, None
+    width = raw.get("moe_intermediate_size") or raw.get("intermediate_size")
+    return int(experts), int(raw["num_experts_per_tok"]), width
+
+
+def moe_block_extra(sh: _Shape, n: int, ab: int) -> int:
+    """What a MoE layer saves beyond a SwiGLU of width top_k·I (models/moe.py): the
+    tokens dispatched to their experts, the experts' outputs and their weighted copies
+    (3 [k·n x h]); the router's fp32 probabilities (the routing's and the balancing
+    loss's) and logits (the z-loss's) [n x E] each; the top-k weights and their
+    renormalised copy (2 [n x k] fp32); the int64 indices of the sort, gather and
+    scatter (5 [k·n]). Held to the saved tensors in tests/test_moe.py (within 2%)."""
+    if not sh.experts:
+        return 0
+    kn = sh.top_k * n
+    return 3 * kn * sh.h * ab + 3 * n * sh.experts * STAT + 2 * kn * STAT + 5 * kn * 8
 
 
 def _shape(c: ModelConfig, hf_config: dict[str, Any] | None = None) -> _Shape:
@@ -136,15 +163,18 @@ def _shape(c: ModelConfig, hf_config: dict[str, Any] | None = None) -> _Shape:
         h = raw.get("hidden_size") or raw.get("n_embd") or c.n_embd
         gpt2 = raw.get("model_type") == "gpt2" or "n_inner" in raw
         inter = (raw.get("n_inner") or 4 * h) if gpt2 else raw.get("intermediate_size")
+        experts, k, width = moe_shape(raw)
         return _Shape("gpt" if gpt2 else "llama",
                       raw.get("num_hidden_layers") or raw.get("n_layer") or c.n_layer,
                       h, raw.get("num_attention_heads") or raw.get("n_head") or c.n_head,
-                      inter or 4 * h, raw.get("vocab_size") or c.vocab_size,
-                      0 if gpt2 else raw.get("num_key_value_heads") or 0)
+                      k * (width or inter or 4 * h), raw.get("vocab_size") or c.vocab_size,
+                      0 if gpt2 else raw.get("num_key_value_heads") or 0, experts, k)
     assert c.n_layer and c.n_embd and c.n_head
     inter = c.intermediate_size or c.mlp_ratio * c.n_embd
     kv = (c.n_kv_head or 0) if c.arch == "llama" else 0
-    return _Shape(c.arch or "gpt", c.n_layer, c.n_embd, c.n_head, inter, c.vocab_size, kv)
+    experts, k = (c.moe.experts, c.moe.top_k) if c.moe is not None else (0, 1)
+    return _Shape(c.arch or "gpt", c.n_layer, c.n_embd, c.n_head, k * inter, c.vocab_size,
+                  kv, experts, k)
 
 
 def exchange_bytes(sh: _Shape, n_local: int, sp: int, ab: int) -> int:
@@ -185,14 +215,16 @@ def _parts(model_cfg: ModelConfig, micro_batch: int, seq: int, act_bytes: int,
     n, h, ab, V, L = micro_batch * seq // S, sh.h, act_bytes, sh.vocab, sh.n_layer
     seq //= S
     tiled_head = tile_tokens is not None  # the tiled loss, even as one tile
-    tiled = tiled_head and tile_tokens < n  # the MLP runs plain when one tile holds it all
+    # the MLP runs plain when one tile holds it all, and a MoE is never tiled
+    tiled = tiled_head and tile_tokens < n and not sh.experts
     tile = min(tile_tokens, n) if tile_tokens is not None else n
     if sh.family == "gpt":
         block = gpt_block_saved(n, h, sh.heads, sh.inter, ab, tiled_mlp=tiled)
         norm = 2 * n * h * ab + 2 * n * STAT  # ln_f input, output, mean/rstd
         tables = 8 * seq  # positions
     else:
-        block = llama_block_saved(n, h, sh.heads, sh.inter, ab, tiled_mlp=tiled)
+        block = llama_block_saved(n, h, sh.heads, sh.inter, ab, tiled_mlp=tiled) \
+            + moe_block_extra(sh, n, ab)
         norm = n * h * STAT + n * STAT + 2 * n * h * ab  # as a block's RMSNorm
         tables = 2 * seq * (h // sh.heads) * STAT  # rotary cos, sin
     if c.dropout > 0:  # a mask per dropout (CUDA: 1 byte; CPU keeps a full-dtype noise)
@@ -200,17 +232,20 @@ def _parts(model_cfg: ModelConfig, micro_batch: int, seq: int, act_bytes: int,
         norm += n * h
     ids = 8 * 2 * n + 4  # token ids, targets, the loss
     head_saved = norm + ids + (0 if tiled_head else n * V * STAT)
+    # tiles sum parameter gradients in fp32: below fp32, the fp32 sum and one tile's
+    # product (or the final cast) coexist (models/tiling.py)
+    acc = STAT + ab if ab < STAT else ab
     if tiled_head:  # one tile's logits + softmax, grad of the hidden states, head weight grad
-        head_peak = 2 * tile * V * STAT + n * h * ab + V * h * ab
+        head_peak = 2 * tile * V * STAT + n * h * ab + V * h * acc
     else:  # log-softmax, its gradient, the logits' gradient
         head_peak = 2 * n * V * STAT
     # one block's backward (what joins its saved activations, freed as it goes): in the
     # MLP the residual gradients in and out and the widest [tokens × I] gradient pair;
     # in attention the gradients of the output, q, k, v and the residual (GPT: and the
     # fused qkv's concatenated gradient) — measured on SDPA's flash backward
-    mlp_grad = 2 * n * h * ab + 2 * tile * sh.inter * ab
+    mlp_grad = 2 * n * h * ab + 2 * (n if sh.experts else tile) * sh.inter * ab
     if tiled:  # the tiled MLP's parameter gradients: the running sum and one tile's
-        mlp_grad += 2 * (2 if sh.family == "gpt" else 3) * h * sh.inter * ab
+        mlp_grad += (2 if sh.family == "gpt" else 3) * h * sh.inter * max(acc, 2 * ab)
     attn_grad = (5 if sh.family == "gpt" else 3) * n * h * ab
     # sequence parallelism: the exchanges' buffers join attention (`EXCHANGE_COPIES`)
     plain_a2a, ckpt_a2a = (int(k * exchange_bytes(sh, n, S, ab)) if S > 1 else 0

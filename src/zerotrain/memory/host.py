@@ -20,8 +20,13 @@ trimmed more often, so a run of many short-lived tensors of a few MiB pays it ea
 step — the main job (`make train`: 4 × 192 GPT, 16 × 256 tokens per rank) ran at 6.6–7.2k
 tokens/s with 1 MiB against 10.3–10.4k with glibc's default. A long-sequence step spends
 its time in a few large kernels instead (SP = 2 at 16,384 tokens: step times within the
-machine's noise). Hence `train.host_mmap_mb: auto` (`mmap_threshold`): 1 MiB when the run
+machine's noise). Hence `train.host_mmap_mb: auto` (`mmap_threshold`): 4 MiB when the run
 is a long-sequence one — tiles or sequence parallelism — and glibc's default otherwise.
+Not 1 MiB: ZeRO-Offload's CPU AdamW works in blocks whose fp32 temporaries are exactly
+1 MiB (optim/batching.py), and at a 1 MiB threshold each became a fresh map — 16,448
+page faults and 2.2-2.9x the time per optimizer step for 16 M parameters (gpu-review-3
+S-1, bench/host_mmap_step.py); at 4 MiB they come from the heap, and the tensors of
+16 MiB and more that fragmented the heap are still mapped.
 
 `return_freed_blocks(mib)` fixes the threshold (glibc's `mallopt(M_MMAP_THRESHOLD)`,
 which also stops it from rising) and the heap's trim threshold: blocks of `mib` MiB and
@@ -32,10 +37,15 @@ more are mapped and given back when freed. The engine calls it with
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import os
+import weakref
+
+import torch
+from torch import Tensor
 
 from zerotrain.config import SequenceConfig
 
@@ -56,12 +66,12 @@ def _libc() -> ctypes.CDLL | None:
         else None
 
 
-#: what `auto` sets for a long-sequence run
-LONG_SEQUENCE_MMAP_MIB = 1.0
+#: what `auto` sets for a long-sequence run: above the CPU optimizer's 1 MiB blocks
+LONG_SEQUENCE_MMAP_MIB = 4.0
 
 
 def mmap_threshold(setting: float | str | None, sequence: SequenceConfig) -> float | None:
-    """`train.host_mmap_mb` resolved: `auto` is 1 MiB for a long-sequence run (tiles or
+    """`train.host_mmap_mb` resolved: `auto` is 4 MiB for a long-sequence run (tiles or
     sequence parallelism), else None (glibc's default); a number is itself."""
     if setting != "auto":
         return setting if setting is None else float(setting)
@@ -98,5 +108,94 @@ def return_freed_blocks(mib: float | None) -> bool:
     return ok and _fixed
 
 
-__all__ = ["LONG_SEQUENCE_MMAP_MIB", "MAX_MMAP_THRESHOLD_MIB", "mmap_threshold",
+def host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> Tensor:
+    """Zeros in host memory; pinned at exactly this size when it feeds a GPU.
+
+    A pinned buffer is registered for exactly as long as its memory lives: the memory is
+    a ctypes array that the tensor's storage keeps alive (views included), and a
+    finalizer on that array unregisters it. An Engine dropped without `close()` thus
+    never leaves freed memory registered, where the next registration at the same address
+    (a second Engine: tests, notebooks, sweeps) would fail with "already registered".
+    """
+    if not (pinned and numel):
+        return torch.zeros(numel, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    raw = (ctypes.c_uint8 * nbytes)()  # zeroed; freed with the last view of the tensor
+    t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+    ptr = t.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        # the runtime keeps the error as its "last error" too, and the next kernel
+        # launch check would report it against an unrelated op: clear it first
+        clear_cuda_error()
+        raise RuntimeError(f"cudaHostRegister failed ({err}) for {numel} elements")
+    _REGISTERED[ptr] = weakref.finalize(raw, _unregister, ptr)
+    return t
+
+
+#: data_ptr -> the finalizer that unregisters it (run early by `release_host_buffer`)
+_REGISTERED: dict[int, weakref.finalize] = {}
+
+
+def _unregister(ptr: int) -> None:
+    _REGISTERED.pop(ptr, None)
+    with contextlib.suppress(Exception):  # at interpreter exit the runtime may be gone
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def release_host_buffer(t: Tensor) -> None:
+    """Unregister now (the memory stays valid, as pageable memory, while views live)."""
+    fin = _REGISTERED.get(t.data_ptr())
+    if fin is not None:
+        fin()
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error (torch's cudart binding has no
+    cudaGetLastError): call it in the loaded libcudart, if one can be found."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
+
+
+class PinnedPool:
+    """Pinned host buffers of exactly the sizes asked for, reused step after step.
+
+    torch's pinned allocator rounds each request up to a power of two and keeps every
+    block for the life of the process (a [1, 32768, 5120] bf16 activation: 320 MiB
+    asked, 512 MiB pinned, never given back, not even by `Engine.close()`). These are
+    `host_buffer`s, registered at their size; `release()` (the engine's close) gives the
+    free ones back. The caller orders reuse (activation offload: one side stream)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        self.made = 0  # buffers made so far (reuse makes none)
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        spare = self.free.get((numel, dtype))
+        if spare:
+            return spare.pop()
+        self.made += 1
+        return host_buffer(numel, dtype, True)
+
+    def give(self, t: Tensor) -> None:
+        self.free.setdefault((t.numel(), t.dtype), []).append(t.reshape(-1))
+
+    def release(self) -> None:
+        for ts in self.free.values():
+            for t in ts:
+                release_host_buffer(t)
+        self.free.clear()
+
+
+#: the process's pool (activation offload's stashes)
+PINNED = PinnedPool()
+
+
+__all__ = ["LONG_SEQUENCE_MMAP_MIB", "MAX_MMAP_THRESHOLD_MIB", "PINNED", "PinnedPool",
+           "clear_cuda_error", "host_buffer", "mmap_threshold", "release_host_buffer",
            "return_freed_blocks"]

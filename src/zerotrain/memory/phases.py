@@ -58,6 +58,7 @@ phases repeat with every term present.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from zerotrain.memory.shape import RunShape
@@ -131,12 +132,15 @@ def phase_estimates(shape: RunShape, activations: int = 0) -> dict[str, int]:
     tiers = {k: sum(v) for k, v in tier_buffers(sh).items()}  # one memory: both sides
     ahead = sh.prefetch and sh.tier("params") == "device"  # else the tier reads ahead
     gathered = (2 if ahead else 1) * largest_unit * bpp.params
+    if params_sharded and sh.secondary_partition:  # hpZ: every unit's 1/K, forward to backward
+        gathered += sum(world * shard_numel(n, world) for n in numels) \
+            // sh.secondary_partition * bpp.params
     pool = (bucket_pool_numel(numels, world, sh.in_flight) * sh.reduce_bytes
             if grads_sharded else 0)
     held = states + pool + sh.runtime + tiers["io"]  # from the first backward/step on
     shard = sum(shard_numel(n, world) for n in numels)
     if not sh.shards:  # a rank writes only its shard of the replicated state (write_range)
-        saved = (bpp.optimizer + (bpp.master or bpp.params)) * shard
+        saved = math.ceil((bpp.optimizer + (bpp.master or bpp.params) + bpp.comp) * shard)
     else:
         saved = est.host["master"] + est.device["master"] + optimizer
         if bpp.master == 0 and sh.tier("params") == sh.tier("optimizer") != "disk":

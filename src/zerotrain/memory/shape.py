@@ -48,6 +48,8 @@ class RunShape:
     micro_steps: int = 1        # micro-batches per optimizer step (gradient accumulation)
     tier_io: int = 0            # the disk tier's block-I/O buffers (threads × block), bytes
     update_temp: int = 0        # bytes per updated element the update allocates and frees
+    secondary_partition: int = 0  # ZeRO++ hpZ: each unit's 1/K kept from forward to backward
+    grad_wire_bits: int = 0     # ZeRO++ qgZ: gradients cross nodes as 8- or 4-bit codes
     stage: int = field(default=0, compare=False)  # for messages only; formulas read shards
 
     def __post_init__(self) -> None:

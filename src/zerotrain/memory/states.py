@@ -8,23 +8,19 @@ partitioned over N ranks is padded to N·ceil(P/N), and each rank owns
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from zerotrain.config.run import OFFLOAD_RULE, OFFLOAD_STAGES
+from zerotrain.config.zero_facts import (
+    FIELDS,
+    OFFLOAD_RULE,
+    OFFLOAD_STAGES,
+    OFFLOADED,
+    STAGE_SHARDS,
+)
 
-#: the model states (SPEC §6), the names strategies declare in `shards` / `offloads`
-FIELDS = ("params", "grads", "master", "optimizer")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
-#: SPEC §6's table: which states each ZeRO stage keeps 1/N per rank. The strategies
-#: declare the same (tests/test_run_shape.py holds them equal); this serves the
-#: stage-number API (`model_state_bytes`, the estimate's rows) that has no strategy.
-STAGE_SHARDS: dict[int, frozenset[str]] = {
-    0: frozenset(), 1: frozenset({"master", "optimizer"}),
-    2: frozenset({"grads", "master", "optimizer"}), 3: frozenset(FIELDS),
-}
-#: what Offload moves to the host: the sharded states the optimizer reads and writes
-OFFLOADED = frozenset({"grads", "master", "optimizer"})
 #: where a model state can live: device memory, host memory, files on a disk (NVMe)
 TIERS = ("device", "host", "disk")
 
@@ -89,8 +85,8 @@ class BytesPerParam:
     params: int
     grads: int
     master: int
-    optimizer: int
-
+    optimizer: float  # int8 states: 1 + 4/256 per state (block scales), so fractional
+    comp: int = 0  # bf16 masters with Kahan: the compensation (2), counted as master
 
 def precision_bytes(precision: str, grad_dtype: str = "compute") -> tuple[int, int, int]:
     """(param, grad, master) bytes: fp32 params are their own master; mixed keeps a fp32 one."""
@@ -206,10 +202,11 @@ def state_bytes(buffer_numels: Sequence[int], world_size: int, shards: frozenset
            "optimizer": bpp.optimizer}
     est = MemoryEstimate(padding_elems=padding if shards else 0)
     for f in FIELDS:
-        est.device[f] = per[f] * (shard if f in shards else rep)
+        est.device[f] = math.ceil(per[f] * (shard if f in shards else rep))
     if bpp.master == 0 and tier_of("params", offloads, disk) != tier_of("optimizer", offloads,
                                                                           disk):
         est.device["master"] = bpp.params * shard
+    est.device["master"] += bpp.comp * (shard if "master" in shards else rep)
     for f in sorted(offloads):
         where = est.disk if f in disk else est.host
         where[f], est.device[f] = est.device[f], 0

@@ -55,6 +55,7 @@ counters (per tier, per step) are held against `tier_traffic`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from zerotrain.memory.shape import RunShape
@@ -101,8 +102,8 @@ class TierTraffic:
 
 def _master_bytes(shape: RunShape) -> int:
     """Bytes per element the update reads as its master: the master, or (fp32,
-    bf16-pure) the parameter values it updates."""
-    return shape.bpp.master or shape.bpp.params
+    bf16-pure) the parameter values it updates; with Kahan its compensation too."""
+    return (shape.bpp.master or shape.bpp.params) + shape.bpp.comp
 
 
 def tier_traffic(shape: RunShape) -> TierTraffic:
@@ -123,8 +124,9 @@ def tier_traffic(shape: RunShape) -> TierTraffic:
         # share the disk without a master copy: it is written back as the parameters
         own = 0 if bpp.master == 0 and p_tier == o_tier else _master_bytes(shape)
         moves += [Move("optimizer states in", "disk", "host",
-                       s * (_master_bytes(shape) + bpp.optimizer)),
-                  Move("optimizer states out", "host", "disk", s * (own + bpp.optimizer))]
+                       math.ceil(s * (_master_bytes(shape) + bpp.optimizer))),
+                  Move("optimizer states out", "host", "disk",
+                       math.ceil(s * (own + bpp.comp + bpp.optimizer)))]
     home = "device" if o_tier == "device" else "host"  # where the update runs
     if home != p_tier:
         moves.append(Move("params (after step)", home, p_tier, s * bpp.params))
@@ -171,7 +173,7 @@ def tier_buffers(shape: RunShape) -> dict[str, tuple[int, int]]:
     backward = (ahead, units(1 + w) * bpp.grads) if grads_disk else (forward, 0)
     step = 0
     if streamed:
-        step = (units(p + 2) * (_master_bytes(shape) + bpp.optimizer)
+        step = (math.ceil(units(p + 2) * (_master_bytes(shape) + bpp.optimizer))
                 + units(p + 1) * bpp.grads * grads_disk + units(1) * shape.update_temp)
     return {"init": (units(1) * bpp.params * params_move,
                      units(1) * _master_bytes(shape) * own_master),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from zerotrain.memory.shape import RunShape
 from zerotrain.memory.states import BytesPerParam, shard_numel
 from zerotrain.memory.tiers import tier_traffic
+from zerotrain.numerics.wire_quant import encoded_bytes
 
 # ----------------------------------------------------------------------------- traffic
 
@@ -119,6 +120,35 @@ def shape_traffic(shape: RunShape, *, algorithm: str = "ring", muon_matrix_numel
                                update_bytes=update_bytes, gather_bytes=shape.gather_bytes)
     tiers = tier_traffic(shape)
     return Traffic(colls, tiers.device_to_host, tiers.host_to_device)
+
+
+def node_traffic(shape: RunShape, node_size: int) -> tuple[int, int]:
+    """(bytes sent, of which to another node) per rank per step, as the comm layer counts
+    them (`Engine.last_traffic_bytes`, `last_inter_bytes`) with `node_size` ranks per node
+    and torch's native collectives: a rank exchanges equal shares with every peer, so
+    (N − node)/(N − 1) of a collective over all N ranks crosses nodes. ZeRO++ changes
+    three rows: hpZ's backward gather runs inside a group of K ranks of one node; qgZ's
+    reduce-scatter runs inside the node in full precision, then sends each other node its
+    piece as block codes (numerics/wire_quant.py); qwZ is already in `gather_bytes`."""
+    n, sh = shape.world, shape
+    cross = (n - node_size) / (n - 1) if n > 1 else 0.0
+    total = inter = 0.0
+    for c in shape_traffic(shape).collectives:
+        if c.what == "params (bwd)" and sh.secondary_partition:
+            k = sh.secondary_partition
+            total += sum((k - 1) * (n * shard_numel(p, n) // k) for p in sh.buffer_numels) \
+                * sh.bpp.params
+        elif c.what == "grads" and sh.grad_wire_bits and n > node_size:
+            nodes = n // node_size
+            for p in sh.buffer_numels:
+                s = shard_numel(p, n)
+                a2a = (nodes - 1) * encoded_bytes(s, sh.grad_wire_bits)
+                total += (node_size - 1) * nodes * s * sh.reduce_bytes + a2a
+                inter += a2a
+        else:
+            total += c.sent_bytes
+            inter += c.sent_bytes * cross
+    return round(total), round(inter)
 
 
 def traffic_per_step(psi: int | Sequence[int], world_size: int, stage: int, *,

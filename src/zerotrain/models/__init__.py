@@ -23,8 +23,11 @@ import torch
 from torch import nn
 
 from zerotrain.config import ModelConfig
+from zerotrain.memory.activations import moe_shape
 from zerotrain.models import gpt, hf, llama, presets
-from zerotrain.models.hf_export import hf_name
+from zerotrain.models.hf_convert import ConvertedIndex
+from zerotrain.models.hf_export import hf_name, hf_twin
+from zerotrain.models.moe import active_numel
 from zerotrain.models.plan import Group, Plan, default_plan
 from zerotrain.models.presets import PRESETS, resolve_model_config
 from zerotrain.models.weights import SafetensorsIndex, WeightError, Weights, bind
@@ -64,6 +67,17 @@ def count_params(model: ModelConfig | nn.Module | Callable[[], nn.Module]) -> in
     return sum(p.numel() for p in on_meta(model).parameters())
 
 
+def active_param_count(model_cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses: a MoE (`model.moe`, or a model.hf MoE by its
+    config.json) counts its top_k experts per layer, a dense model everything."""
+    cfg = resolve_model_config(model_cfg)
+    if cfg.hf is None:
+        return presets.active_params(cfg)
+    experts, top_k, _ = moe_shape(hf.read_hf_config(cfg.hf))
+    model = on_meta(lambda: build_model(cfg))
+    return active_numel(model, experts, top_k) if experts else count_params(model)
+
+
 def build_model(model_cfg: ModelConfig, device: torch.device | str | None = None,
                 hf_config: dict[str, Any] | None = None) -> nn.Module:
     """A randomly initialised model of the configured family, built on `device` (use
@@ -95,7 +109,13 @@ def pretrained_weights(model_cfg: ModelConfig, model: nn.Module) -> Weights | No
         return [(name, False), hf_name(arch, name)]
 
     with _naming(model_cfg):
-        index = open_weights(path)
+        index: Any = open_weights(path)
+        if index.metadata.get("format") != EXPORT_FORMAT:
+            # the Hub's on-disk names (per-expert MoE tensors) -> the in-memory ones
+            twin = model.hf if isinstance(model, hf.HFCausalLM) else \
+                hf_twin(model_cfg) if model_cfg.moe is not None else None
+            if twin is not None:
+                index = ConvertedIndex(index, twin)
         return Weights(index, bind(model, index, candidates))
 
 
@@ -156,5 +176,6 @@ def load_export(path: str | Path, device: torch.device | str | None = None
 
 
 __all__ = ["EXPORT_FORMAT", "PLANS", "PRESETS", "Group", "Plan", "WeightError", "Weights",
-           "build_model", "check_weights", "count_params", "default_plan", "export_metadata",
-           "load_export", "on_meta", "plan_for", "pretrained_weights", "resolve_model_config"]
+           "active_param_count", "build_model", "check_weights", "count_params",
+           "default_plan", "export_metadata", "load_export", "on_meta", "plan_for",
+           "pretrained_weights", "resolve_model_config"]

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from zerotrain.memory.host import PINNED
+
 #: `model.activation_checkpointing` values
 Mode = bool | str
 
@@ -50,7 +52,12 @@ class CudaCopies:
         return torch.cuda.Event()
 
     def host_like(self, x: Tensor) -> Tensor:
-        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return PINNED.take(x.numel(), x.dtype).view(x.shape)
+
+    def recycle(self, host: Tensor) -> None:
+        """`host` is free for the next stash: every copy that reads or writes it is on
+        the one side stream, so the next copy into it is ordered after this one's."""
+        PINNED.give(host)
 
     def device_like(self, t: Tensor, device: torch.device) -> Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device)
@@ -89,6 +96,9 @@ class HostCopies(CudaCopies):
 
     def keep(self, t: Tensor, stream: Any) -> None: ...
 
+    def recycle(self, host: Tensor) -> None: ...
+
+
 
 class HostStash:
     """One block input kept off the device between forward and its recompute.
@@ -126,6 +136,9 @@ class HostStash:
             return
         assert self.host is not None
         self.dev = self.rt.device_like(self.host, self.device)
+        # the block came from the compute stream's pool, freed in host order: its last
+        # reader may still be queued there, so the side stream's write waits for it
+        self.stream.wait_stream(self.rt.current(self.device))
         with self.rt.on(self.stream):
             self.stream.wait_event(self.ready)  # the copy to the host is complete
             self.dev.copy_(self.host, non_blocking=True)
@@ -139,6 +152,8 @@ class HostStash:
             return x
         self.fetch()
         self.rt.current(self.device).wait_event(self.ready)
+        assert self.host is not None
+        self.rt.recycle(self.host)
         x, self.dev, self.host, self.done = self.dev, None, None, True
         prev, self.prev = self.prev, None
         if prev is not None:  # overlap: the previous block's input comes back meanwhile
@@ -165,6 +180,23 @@ def _hidden_arg(args: tuple, kwargs: dict) -> tuple[str | int, Tensor] | None:
     return None
 
 
+def _checkpoint(fn: Callable[..., Any], device: torch.device | None, args: tuple,
+                kwargs: dict) -> Any:
+    """`torch.utils.checkpoint` with the block's device named: torch saves (and replays in
+    the recompute) the RNG state only of the devices its positional tensors are on, and
+    the hidden state may be a keyword or, offloaded, absent. Without it dropout would
+    draw other masks in the recompute than in forward on CUDA (the CPU RNG is always
+    saved). A 0-element tensor on that device, first, carries the device."""
+    if device is None:
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    anchor = torch.empty(0, device=device)
+    return checkpoint(_without_anchor, anchor, fn, *args, use_reentrant=False, **kwargs)
+
+
+def _without_anchor(anchor: Tensor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
 def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload: bool,
                          force_stash: bool = False) -> Callable[..., Any]:
     """`block`'s forward under checkpointing (training with gradients only; evaluation
@@ -182,9 +214,9 @@ def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload
                 kwargs = {**kwargs, k: None}
         if kwargs.get("use_cache"):
             kwargs = {**kwargs, "use_cache": False}
-        where = _hidden_arg(args, kwargs) if offload else None
-        if where is None or not (where[1].is_cuda or force_stash):
-            return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        where = _hidden_arg(args, kwargs)
+        if not offload or where is None or not (where[1].is_cuda or force_stash):
+            return _checkpoint(original, where[1].device if where else None, args, kwargs)
         key, x = where
         # the checkpoint keeps the stash, not the device tensor
         stash = HostStash(x, CUDA_COPIES if x.is_cuda else HOST_COPIES)
@@ -200,7 +232,7 @@ def checkpointed_forward(block: nn.Module, original: Callable[..., Any], offload
             args = (None, *args[1:])
         else:
             kwargs = {**kwargs, key: None}
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return _checkpoint(run, x.device, args, kwargs)
 
     setattr(forward, _WRAPPED, original)
     return forward

@@ -180,9 +180,15 @@ class DocumentMasking:
             kwargs["targets"] = mask_targets(kwargs["targets"], ids, self.eos)
         if kwargs.get("labels") is not None:
             kwargs["labels"] = mask_labels(kwargs["labels"], ids, self.eos)
-        self.last = docs = Documents.of(ids, self.eos)
+        docs = Documents.of(ids, self.eos)
         if self.pass_positions and kwargs.get("position_ids") is None:
             kwargs["position_ids"] = docs.positions  # whole: sequence parallelism slices it
+        if not torch.is_grad_enabled():  # evaluation: no backward will need the mask, so
+            with documents(docs):  # it goes now (its B·T² stayed until the next training
+                out = call(*args, **kwargs)  # forward); a training forward's stays kept
+            docs.release()
+            return out
+        self.last = docs
         with documents(docs):
             return call(*args, **kwargs)
 

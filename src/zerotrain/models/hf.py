@@ -58,7 +58,12 @@ class HFCausalLM(CausalLM):
             hidden = self.hf.base_model(input_ids=idx, use_cache=False, position_ids=pos)[0]
             return self.head_loss(hidden, self.hf.get_output_embeddings(), targets)
         out = self.hf(input_ids=idx, use_cache=False, position_ids=pos)
-        return lm_loss(out.logits, targets)
+        loss = lm_loss(out.logits, targets)
+        # a MoE whose config.json sets output_router_logits: transformers' balancing loss
+        aux = getattr(out, "aux_loss", None)
+        if targets is not None and aux is not None and self.training:
+            loss = loss + self.hf.config.router_aux_loss_coef * aux.to(loss.dtype)
+        return loss
 
 
 def build_hf(cfg: ModelConfig, hf_config: dict[str, Any] | None = None) -> HFCausalLM:

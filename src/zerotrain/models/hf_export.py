@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from zerotrain.config import ModelConfig
-from zerotrain.models.hf import PREFIX
+from zerotrain.models.hf import PREFIX, build_hf
+from zerotrain.models.hf_convert import to_disk_layout
 from zerotrain.models.presets import read_hf_config, resolve_model_config
 
 _GPT_TOP = {"wte": "transformer.wte", "wpe": "transformer.wpe", "ln_f": "transformer.ln_f",
@@ -42,10 +43,20 @@ _LLAMA_BLOCK = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_laye
                 "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
 
 
+#: a llama MoE layer's names in `MixtralForCausalLM` (in memory: experts fused)
+_MOE_BLOCK = {"mlp.router.weight": "mlp.gate.weight", "mlp.experts.gate_up":
+              "mlp.experts.gate_up_proj", "mlp.experts.down": "mlp.experts.down_proj"}
+
+
 def hf_name(arch: str | None, name: str) -> tuple[str, bool]:
-    """(HF name, stored transposed?) of a zerotrain parameter name."""
+    """(HF name, stored transposed?) of a zerotrain parameter name (a llama MoE's expert
+    names: Mixtral's in-memory ones; `hf_convert` turns them into the on-disk ones)."""
     if arch is None:  # a model.hf wrapper: its own names under the prefix
         return name.removeprefix(PREFIX), False
+    if name.startswith("blocks.") and ".mlp." in name:
+        _, i, rest = name.split(".", 2)
+        if rest in _MOE_BLOCK:
+            return f"model.layers.{i}.{_MOE_BLOCK[rest]}", False
     module, _, leaf = name.rpartition(".")
     if module.startswith("blocks."):
         _, i, rest = module.split(".", 2)
@@ -84,6 +95,33 @@ def _llama_config(c: ModelConfig) -> dict[str, Any]:
             "bos_token_id": None, "eos_token_id": None}
 
 
+def _mixtral_config(c: ModelConfig) -> dict[str, Any]:
+    """A llama MoE is Mixtral: llama attention, softmax-top-k-renormalised routing, SwiGLU
+    experts of width intermediate_size."""
+    assert c.moe is not None
+    conf = {k: v for k, v in _llama_config(c).items() if k not in ("mlp_bias", "head_dim")}
+    return {**conf, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": c.moe.experts, "num_experts_per_tok": c.moe.top_k,
+            "router_aux_loss_coef": c.moe.aux_loss, "router_jitter_noise": 0.0,
+            "sliding_window": None, "head_dim": c.n_embd // (c.n_head or 1)}
+
+
+def hf_config_of(c: ModelConfig) -> dict[str, Any]:
+    """config.json of a resolved gpt or llama config's Hugging Face twin."""
+    if c.arch == "gpt":
+        return _gpt_config(c)
+    return _mixtral_config(c) if c.moe is not None else _llama_config(c)
+
+
+def hf_twin(c: ModelConfig) -> nn.Module:
+    """The Hugging Face model of a resolved config, on the meta device (its names and
+    transformers' conversion rules, no memory)."""
+    with torch.device("meta"):
+        if c.hf is not None:
+            return build_hf(c).hf
+        return build_hf(c, hf_config_of(c)).hf
+
+
 def to_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor],
           hf_config: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(config.json dict, HF state dict) for a full zerotrain state dict (tied names may
@@ -92,7 +130,14 @@ def to_hf(model_cfg: ModelConfig, state_dict: dict[str, Tensor],
     if c.hf is not None:
         if hf_config is None:
             hf_config = read_hf_config(c.hf)
-        return dict(hf_config), {hf_name(None, k)[0]: v for k, v in state_dict.items()}
+        with torch.device("meta"):  # transformers' own rules give the on-disk layout
+            meta = build_hf(c, hf_config).hf
+        return dict(hf_config), to_disk_layout(
+            meta, {hf_name(None, k)[0]: v for k, v in state_dict.items()})
+    if c.moe is not None:
+        sd = {hf_name(c.arch, k)[0]: v for k, v in state_dict.items()
+              if not (k == "head.weight" and c.tie_weights)}
+        return _mixtral_config(c), to_disk_layout(hf_twin(c), sd)
     out: dict[str, Tensor] = {}
     for name, t in state_dict.items():
         if name == "head.weight" and c.tie_weights:

@@ -9,6 +9,8 @@ permutation. As in the GPT, the loss is computed in FP32 whatever the parameter 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -16,7 +18,8 @@ from torch import Tensor, nn
 from zerotrain.config import ConfigError, ModelConfig
 from zerotrain.models.checkpointing import apply_checkpointing
 from zerotrain.models.documents import document_positions
-from zerotrain.models.init import deferred_init, init_decoder_param
+from zerotrain.models.init import deferred_init, fill_normal, generator_for, init_decoder_param
+from zerotrain.models.moe import MoE, router_loss
 from zerotrain.models.plan import Plan, plan_from
 from zerotrain.models.presets import resolve_model_config
 from zerotrain.models.sampling import CausalLM
@@ -112,7 +115,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.moe is not None else SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -142,6 +145,10 @@ class Llama(CausalLM):
         """As the GPT's (models/init.py): a function of (seed, name) alone; residual
         projections scaled so the residual stream's variance stays flat."""
         assert self.cfg.n_layer
+        if ".mlp.experts." in name:  # fused experts: each a SwiGLU, `down` residual-scaled
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("down") else 0.02
+            fill_normal(t, std, generator_for(self.init_seed, name))
+            return
         init_decoder_param(self, name, t, self.init_seed, ("attn.o.weight", "mlp.down.weight"),
                            self.cfg.n_layer)
 
@@ -161,7 +168,10 @@ class Llama(CausalLM):
         x = self.drop(self.embed(idx))
         for block in self.blocks:  # checkpointed per model.activation_checkpointing
             x = block(x, cos, sin)
-        return self.head_loss(self.norm(x), self.head, targets)
+        loss = self.head_loss(self.norm(x), self.head, targets)
+        aux = router_loss(self) if self.cfg.moe is not None else None
+        # the router's losses train the routers; evaluation reports the LM loss alone
+        return loss + aux if targets is not None and aux is not None else loss
 
 
 def plan(model: Llama) -> Plan:

@@ -26,7 +26,10 @@ from zerotrain.config.model import read_hf_config
 #:   llama-125m   134.11M                     85.35M
 #:   llama-350m   367.97M                    302.96M
 #:   llama-1b    1100.05M  (TinyLlama-1.1B's shape: 1,100,048,384 exactly)
-PRESETS: dict[str, tuple[str, dict[str, int]]] = {
+#:   llama-moe-tiny 10.75M, 8.98M active       2.63M, 0.86M active
+#:                (llama-tiny with 8 experts of half its MLP width, top-2: the dense
+#:                model's active size plus the routers; `active_params` counts it)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-tiny": ("gpt", {"n_layer": 4, "n_head": 4, "n_embd": 128}),
     "gpt-mini": ("gpt", {"n_layer": 6, "n_head": 6, "n_embd": 384}),
     "gpt-small": ("gpt", {"n_layer": 12, "n_head": 12, "n_embd": 768}),
@@ -39,10 +42,12 @@ PRESETS: dict[str, tuple[str, dict[str, int]]] = {
                              "intermediate_size": 2736}),
     "llama-1b": ("llama", {"n_layer": 22, "n_head": 32, "n_kv_head": 4, "n_embd": 2048,
                            "intermediate_size": 5632}),
+    "llama-moe-tiny": ("llama", {"n_layer": 4, "n_head": 4, "n_kv_head": 2, "n_embd": 128,
+                                 "intermediate_size": 192, "moe": {"experts": 8, "top_k": 2}}),
 }
 
 
-def preset_sizes(name: str, arch: str | None = None) -> tuple[str, dict[str, int]]:
+def preset_sizes(name: str, arch: str | None = None) -> tuple[str, dict[str, Any]]:
     """(family, size fields) of a preset; one clear error for an unknown or foreign name."""
     if name not in PRESETS:
         close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.5)
@@ -105,7 +110,11 @@ def resolve_model_config(cfg: ModelConfig, tokenizer_vocab: int | None = None,
         family, sizes = preset_sizes(cfg.preset, cfg.arch)
         d["arch"] = family
         for k, v in sizes.items():
-            d[k] = v if d[k] is None else d[k]
+            if k == "moe":  # the preset's experts, under any model.moe.* the user set
+                mine = cfg.moe.model_dump(include=cfg.moe.model_fields_set) if cfg.moe else {}
+                d[k] = {**v, **mine}
+            else:
+                d[k] = v if d[k] is None else d[k]
     if tokenizer_vocab is not None:
         _check_vocab(d, vocab_set, tokenizer_vocab, "tokenizer")
         vocab_set = True
@@ -141,9 +150,10 @@ def planned_model_config(model: ModelConfig, tokenizer: str = "bytes") -> ModelC
         return resolve_model_config(model)
 
 
-def count_params(cfg: ModelConfig) -> int:
+def count_params(cfg: ModelConfig, active: bool = False) -> int:
     """Unique parameters of a gpt or llama config, from the shapes alone (a tied head
-    counts once). Tests hold it against the built model."""
+    counts once); `active`: a MoE's top_k experts only. Tests hold it against the built
+    model."""
     c = resolve_model_config(cfg)
     if c.hf is not None:
         raise ConfigError("count_params needs model.arch gpt or llama; for model.hf build the "
@@ -159,7 +169,15 @@ def count_params(cfg: ModelConfig) -> int:
     hd = d // c.n_head
     kv = (c.n_kv_head or c.n_head) * hd
     inner = c.intermediate_size or llama_intermediate_size(d)
-    block = 2 * d * d + 2 * d * kv + 3 * d * inner + 2 * d
+    experts = (c.moe.top_k if active else c.moe.experts) if c.moe else 1
+    router = d * c.moe.experts if c.moe else 0
+    block = 2 * d * d + 2 * d * kv + experts * 3 * d * inner + router + 2 * d
     if c.bias:  # q, k, v, o and the three MLP projections
         block += d + 2 * kv + d + 2 * inner + d
     return V * d + L * block + d + head
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses: a MoE counts top_k experts per layer (and the
+    router), a dense model all of them."""
+    return count_params(cfg, active=True)

@@ -51,7 +51,10 @@ class _TiledLoss(torch.autograd.Function):
             total += F.cross_entropy(z, t[a:a + tile], ignore_index=ignore_index,
                                      reduction="sum")
             del z
-        count = (t != ignore_index).sum()
+        # a slice with no target (SFT prompt labels under sequence parallelism, right
+        # padding) has loss sum 0 over count 0: 0, not 0/0, so its gradients stay
+        # finite as F.cross_entropy's do (review 3, W-4)
+        count = (t != ignore_index).sum().clamp(min=1)
         ctx.save_for_backward(hidden, weight, bias, targets, count)
         ctx.tile, ctx.ignore_index = tile, ignore_index
         return total / count
@@ -63,8 +66,10 @@ class _TiledLoss(torch.autograd.Function):
         t = targets.reshape(-1)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(h) if need_h else None
-        # accumulated in the weight's dtype, in place (no fresh [V × C] per tile)
-        gw = torch.zeros_like(weight) if need_w else None
+        # accumulated in fp32 (review 3, W-5: rounding the sum to bf16 once per tile
+        # drifts as √tiles); an fp32 weight's in place (no fresh [V × C] per tile)
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_w else None
         gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if need_b else None
         scale = grad.float() / count
@@ -79,12 +84,15 @@ class _TiledLoss(torch.autograd.Function):
             if gh is not None:
                 gh[a:a + ctx.tile] = dz @ weight
             if gw is not None:
-                gw.addmm_(dz.t(), ht)
+                if weight.dtype == torch.float32:
+                    gw.addmm_(dz.t(), ht)
+                else:
+                    gw += dz.t() @ ht
             if gb is not None:
                 gb += dz.sum(0).float()
             del p, dz  # before the next tile's logits: one tile's [N × V] pair at a time
         return (gh.view_as(hidden) if gh is not None else None,
-                gw,
+                gw.to(weight.dtype) if gw is not None else None,
                 gb.to(bias.dtype) if gb is not None else None, None, None, None)
 
 
@@ -131,13 +139,13 @@ class _TiledMLP(torch.autograd.Function):
                 assert gx is not None
                 gx[a:a + ctx.tile] = got[0]
                 got = got[1:]
-            for i, gi in zip(want, got):  # summed in place, in the parameter's dtype
+            for i, gi in zip(want, got):  # summed in place, in fp32 (review 3, W-5)
                 if gi is not None:
                     if i in acc:
                         acc[i].add_(gi)
                     else:
-                        acc[i] = gi
-        out = [acc.get(i) for i in range(len(params))]
+                        acc[i] = gi.float() if gi.is_floating_point() else gi
+        out = [acc[i].to(params[i].dtype) if i in acc else None for i in range(len(params))]
         return (None, None, gx.view_as(x) if gx is not None else None, *out)
 
 

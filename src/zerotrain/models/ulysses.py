@@ -310,11 +310,14 @@ class SequenceParallel:
         return out
 
     def _whole_loss(self, local_mean: Tensor, counts: Tensor) -> Tensor:
-        share = local_mean * (counts[0] / counts[1]).to(local_mean.dtype)
-        if counts[0] == 0:  # no target on this slice: its mean is 0/0; its share is 0
-            share = local_mean.nan_to_num(0.0) * 0.0
-        whole = self.group.all_reduce_scalars(share.detach().double().reshape(1))[0]
-        whole = torch.as_tensor(float(whole), dtype=share.dtype, device=share.device)
+        """This slice's share of the whole batch's mean; its value the whole mean. No host
+        sync (S-5): the empty-slice case by `where`, the sum reduced on the device."""
+        ratio = (counts[0] / counts[1].clamp(min=1)).to(local_mean.dtype)
+        # no target on this slice: its mean is 0/0; its share is 0 (no NaN in backward)
+        share = torch.where(counts[0] > 0, local_mean * ratio, local_mean.nan_to_num(0.0) * 0.0)
+        whole = share.detach().double().reshape(1).to(self.group.device)
+        self.group.all_reduce(whole, purpose="control")
+        whole = whole[0].to(share.device, share.dtype)
         return share + (whole - share.detach())
 
     @contextmanager

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zerotrain.numerics.blockquant import BLOCK
+from zerotrain.numerics.compact import FP32, Compact
 from zerotrain.optim import functional
 from zerotrain.optim.muon import Muon
 from zerotrain.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
@@ -57,14 +59,25 @@ def is_elementwise(name: str) -> bool:
     return bool(_class(name).elementwise)
 
 
-def state_bytes_per_param(name: str, momentum: float = 0.0) -> int:
-    """fp32 optimizer-state bytes per parameter: K in the memory model (SPEC §6).
+def state_bytes_per_param(name: str, momentum: float = 0.0, state_dtype: str = "fp32"
+                          ) -> float:
+    """Optimizer-state bytes per parameter: K in the memory model (SPEC §6).
 
-    adam/adamw 8 (m, v); sgd 0, or 4 with momentum; adagrad 4 (sum of g²); rmsprop 4
-    (+4 with momentum); lion 4; muon 4 (its AdamW-fallback tensors carry 8). The fp32
-    master copy of mixed precision is not optimizer state and is not counted here.
+    fp32 states: adam/adamw 8 (m, v); sgd 0, or 4 with momentum; adagrad 4 (sum of g²);
+    rmsprop 4 (+4 with momentum); lion 4; muon 4 (its AdamW-fallback tensors carry 8).
+    `state_dtype` bf16 halves each state; int8 stores 1 byte plus a 4-byte scale per
+    256 elements (1.015625) per state. The fp32 master copy of mixed precision is not
+    optimizer state and is not counted here (nor is Kahan's compensation: a master's).
     """
-    return _class(name).state_bytes_per_param(momentum=momentum)
+    if state_dtype not in STATE_BYTES:
+        raise ValueError(f"unknown optimizer.state_dtype {state_dtype!r}; choose one of "
+                         f"{', '.join(STATE_BYTES)}")
+    k = _class(name).state_bytes_per_param(momentum=momentum) // 4 * STATE_BYTES[state_dtype]
+    return int(k) if k == int(k) else k
+
+
+#: bytes per element of one optimizer state in each optimizer.state_dtype
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
 
 
 def resolve_compile(setting: bool | str, param_groups: list[dict[str, Any]]) -> bool:
@@ -99,10 +112,13 @@ def _compile_agreed(opt: Any, wanted: bool, agree: Callable[[bool], bool]) -> bo
 
 
 def build_optimizer(
-    cfg: OptimizerConfig, param_groups: list[dict[str, Any]],
+    cfg: OptimizerConfig, param_groups: list[dict[str, Any]], compact: Compact | None = None,
     agree: Callable[[bool], bool] | None = None,
 ) -> torch.optim.Optimizer:
     """Map the `optimizer:` config section onto the class's hyper-parameters.
+
+    `compact`: how states are stored and bf16 masters updated (the precision policy's;
+    default: optimizer.state_dtype with fp32 masters).
 
     Each group dict already carries its own "weight_decay" (and may carry "lr");
     cfg values are the defaults for whatever a group leaves out.
@@ -113,6 +129,13 @@ def build_optimizer(
     together if it fails on any one of them. At the first step, not here: loading the
     compiler costs ~50 MiB that init would otherwise hold before the model does.
     """
+    opt = _build(cfg, param_groups, agree)
+    opt.compact = compact or (Compact(cfg.state_dtype) if cfg.state_dtype != "fp32" else FP32)
+    return opt
+
+
+def _build(cfg: OptimizerConfig, param_groups: list[dict[str, Any]],
+           agree: Callable[[bool], bool] | None) -> Any:
     name, lr, wd = cfg.name, cfg.lr, cfg.weight_decay
     _class(name)  # a clear error for an unknown name
     if name in ("adam", "adamw"):

@@ -22,6 +22,7 @@ from zerotrain.optim.batching import Tensors
 from zerotrain.optim.batching import lists as _lists
 from zerotrain.optim.functional import adamw_
 from zerotrain.optim.optimizers import (
+    ADAM_STATES,
     Params,
     _adam_state,
     _Base,
@@ -217,24 +218,45 @@ class Muon(_Base):
         mats = [p for p in params if (p.ndim >= 2 if flag is None else flag)]
         rest = [p for p in params if not (p.ndim >= 2 if flag is None else flag)]
         if mats:
-            for p in mats:
-                self._state(p, lambda p: {"momentum_buffer": _zeros(p)})
-            ns = dict(momentum=group["momentum"], nesterov=group["nesterov"],
-                      ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-                      eps=group["eps"], tf32=group["ns_tf32"])
-            if group["defer_update"]:
-                for p in mats:
-                    p.copy_(muon_direction(p.grad, self.state[p]["momentum_buffer"], **ns))
-            else:
-                muon_(mats, _grads(mats), _get(mats, self.state, "momentum_buffer"),
-                        lr=group["lr"], weight_decay=group["weight_decay"],
-                        adjust_lr_fn=group["adjust_lr_fn"], **ns)
+            self._update_matrices(group, mats)
         if rest:
+            compact = self.compact.active
             for p in rest:
-                self._state(p, _adam_state)
+                if compact:
+                    self._compact_state(p, ADAM_STATES, step=True)
+                else:
+                    self._state(p, _adam_state)
             beta1, beta2 = group["adamw_betas"]
             for (_, step), ps in self._count_step(rest).items():
-                adamw_(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
-                         _get(ps, self.state, "exp_avg_sq"), step=step, lr=group["lr"],
-                         beta1=beta1, beta2=beta2, eps=group["adamw_eps"],
-                         weight_decay=group["weight_decay"])
+                kw = dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
+                          eps=group["adamw_eps"], weight_decay=group["weight_decay"])
+                if compact:
+                    self._compact_run(lambda P, G, M, V, kw=kw: adamw_(P, G, M, V, **kw), ps,
+                                      ADAM_STATES, counted=True)
+                else:
+                    adamw_(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
+                           _get(ps, self.state, "exp_avg_sq"), **kw)
+
+    def _update_matrices(self, group: dict[str, Any], mats: list[Tensor]) -> None:
+        ns = dict(momentum=group["momentum"], nesterov=group["nesterov"],
+                  ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
+                  eps=group["eps"], tf32=group["ns_tf32"])
+        apply = dict(lr=group["lr"], weight_decay=group["weight_decay"],
+                     adjust_lr_fn=group["adjust_lr_fn"], **ns)
+
+        def deferred(P: list[Tensor], G: list[Tensor], B: list[Tensor]) -> None:
+            for p, g, b in zip(P, G, B):
+                p.copy_(muon_direction(g, b, **ns))
+
+        def direct(P: list[Tensor], G: list[Tensor], B: list[Tensor]) -> None:
+            muon_(P, G, B, **apply)
+
+        rule = deferred if group["defer_update"] else direct
+        if self.compact.active:  # each matrix whole: Newton–Schulz needs all of it
+            for p in mats:
+                self._compact_state(p, ("momentum_buffer",))
+            self._compact_run(rule, mats, ("momentum_buffer",), whole=True)
+            return
+        for p in mats:
+            self._state(p, lambda p: {"momentum_buffer": _zeros(p)})
+        rule(mats, _grads(mats), _get(mats, self.state, "momentum_buffer"))

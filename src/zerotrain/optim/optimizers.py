@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zerotrain.optim import compact as C
 from zerotrain.optim import functional as F
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -34,7 +35,7 @@ def _check_betas(betas: tuple[float, float], name: str = "betas") -> None:
            f"{name} must be two numbers in [0, 1), got {betas}")
 
 
-class _Base(torch.optim.Optimizer):
+class _Base(C.CompactStates, torch.optim.Optimizer):
     """Shared plumbing: step() loop, state init, torch-compatible loading."""
 
     #: torch.optim group flags we do not implement; a checkpoint asking for them is refused.
@@ -45,7 +46,6 @@ class _Base(torch.optim.Optimizer):
     #: can stand in for them (ZeRO shards, stage 0's per-group views). Muon is not: it
     #: orthogonalises whole matrices and needs their real shapes.
     elementwise = True
-
     @classmethod
     def state_bytes_per_param(cls, momentum: float = 0.0, **hyper: Any) -> int:
         """fp32 bytes of optimizer state per parameter (K in the memory model)."""
@@ -108,6 +108,9 @@ def _step0() -> Tensor:
     return torch.tensor(0.0, dtype=torch.float32)
 
 
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
 def _adam_state(p: Tensor) -> dict[str, Tensor]:
     return {"step": _step0(), "exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
 
@@ -142,6 +145,9 @@ class SGD(_Base):
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
         kw = dict(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
                   nesterov=group["nesterov"], weight_decay=group["weight_decay"])
+        if self.compact.active:
+            self._compact_update(params, kw)
+            return
         if not group["momentum"]:
             F.sgd_(params, _grads(params), None, **kw)
             return
@@ -154,6 +160,21 @@ class SGD(_Base):
         for ps, init in ((fresh, True), (old, False)):
             if ps:
                 F.sgd_(ps, _grads(ps), _get(ps, self.state, "momentum_buffer"), init=init, **kw)
+
+    def _compact_update(self, params: list[Tensor], kw: dict[str, Any]) -> None:
+        if not kw["momentum"]:  # no state: only the weights' rounding is compact
+            for p in params:
+                self._compact_state(p, ())
+            self._compact_run(lambda P, G: F.sgd_(P, G, None, **kw), params, ())
+            return
+        fresh = [p for p in params if not self.state[p]]
+        for p in params:
+            self._compact_state(p, ("momentum_buffer",))
+        ids = {id(p) for p in fresh}
+        for ps, init in ((fresh, True), ([p for p in params if id(p) not in ids], False)):
+            if ps:
+                self._compact_run(lambda P, G, B, i=init: F.sgd_(P, G, B, init=i, **kw), ps,
+                                  ("momentum_buffer",))
 
 
 class Adagrad(_Base):
@@ -284,12 +305,19 @@ class Adam(_Base):
         rule = F.adamw_ if self._decoupled else F.adam_
         beta1, beta2 = group["betas"]
         for p in params:
-            self._state(p, _adam_state)
+            if self.compact.active:
+                self._compact_state(p, ADAM_STATES, step=True)
+            else:
+                self._state(p, _adam_state)
         for (_, step), ps in self._count_step(params).items():
-            rule(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
-                 _get(ps, self.state, "exp_avg_sq"), step=step, lr=group["lr"], beta1=beta1,
-                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                 compiled=group["compiled"])
+            kw = dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"], compiled=group["compiled"])
+            if self.compact.active:
+                self._compact_run(lambda P, G, M, V, kw=kw: rule(P, G, M, V, **kw), ps, ADAM_STATES,
+                                  counted=True)
+            else:
+                rule(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
+                     _get(ps, self.state, "exp_avg_sq"), **kw)
 
 
 class AdamW(Adam):
@@ -319,8 +347,13 @@ class Lion(_Base):
         return 4
 
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+        if self.compact.active:
+            for p in params:
+                self._compact_state(p, ("exp_avg",))
+            self._compact_run(lambda P, G, M: F.lion_(P, G, M, **kw), params, ("exp_avg",))
+            return
         for p in params:
             self._state(p, lambda p: {"exp_avg": _zeros(p)})
-        beta1, beta2 = group["betas"]
-        F.lion_(params, _grads(params), _get(params, self.state, "exp_avg"), lr=group["lr"],
-                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+        F.lion_(params, _grads(params), _get(params, self.state, "exp_avg"), **kw)

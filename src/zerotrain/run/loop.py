@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from zerotrain.comm.dist import barrier, shutdown
+from zerotrain.comm.dist import patient_barrier, shutdown
 from zerotrain.config import Config
 from zerotrain.data.sampler import to_device
 from zerotrain.data.tokenizer import Tokenizer, bits_per_byte
 from zerotrain.engine import PHASE_STEPS, Engine, StepInfo
+from zerotrain.models.moe import stats_record, take_stats
 from zerotrain.models.sampling import generate
 from zerotrain.run.fit import diagnose
 from zerotrain.run.lifecycle import Interrupted, Preemption, maybe_inject_fault
@@ -78,7 +79,10 @@ def _log_step(run: Run, sinfo: StepInfo, loss: torch.Tensor, dt: float) -> float
     """Log a step (rank 0 writes); the loss averaged over ranks, which every rank gets."""
     loss_avg = float(run.engine.comm.all_reduce_scalars(loss.reshape(1))[0]) \
         / run.dist.world_size
-    run.report.log_step(run.engine, sinfo, loss_avg, run.global_tokens / dt, dt)
+    stats = take_stats(run.engine.module)  # MoE routers: same layers on every rank
+    moe = stats_record(run.engine.comm.all_reduce_scalars(stats.flatten()).view(stats.shape)) \
+        if stats is not None else None
+    run.report.log_step(run.engine, sinfo, loss_avg, run.global_tokens / dt, dt, moe)
     return loss_avg
 
 
@@ -228,6 +232,6 @@ def _finish(run: Run, first_val: float | None, loss_avg: float, steps_run: int,
     fit = diagnose(report.log.records)  # the train–validation gap, its trend, a verdict
     summary.update(fit.record())
     report.finish(summary, fit, sample)
-    barrier()
+    patient_barrier()  # rank 0 wrote the summary, plots and sample alone
     eng.close()
     return summary

@@ -174,7 +174,7 @@ def lr_find(cfg: Config, *, start_lr: float = 1e-5, end_lr: float = 1.0,
             steps: int = 100) -> dict[str, Any]:
     """Run the range test on every rank; rank 0 writes and prints. Returns the result
     record (also written to lr_find.json)."""
-    from zerotrain.comm.dist import barrier
+    from zerotrain.comm.dist import patient_barrier
     from zerotrain.run.loop import train_step
     from zerotrain.run.setup import setup
 
@@ -208,7 +208,7 @@ def lr_find(cfg: Config, *, start_lr: float = 1e-5, end_lr: float = 1.0,
     for line in summary_lines(result, run.run_dir):
         report.say(line)
     report.close()
-    barrier()
+    patient_barrier()  # rank 0 wrote the results and plot alone
     eng.close()
     return result
 

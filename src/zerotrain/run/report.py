@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from zerotrain.config import Config
 from zerotrain.memory import config_activations
+from zerotrain.models import active_param_count
 from zerotrain.optim.schedule import lr_from_config
 from zerotrain.run.curves import Series, curve_series, plot_curves
 from zerotrain.run.trackers import make_trackers
@@ -75,6 +76,9 @@ class Reporter:
             post["scale"] = f"{rec['loss_scale']:g}"
         if "fp8" in rec:  # saturated (overflowing) FP8 values: input/weight/grad
             post["fp8 ovf"] = "/".join(str(v["overflow"]) for v in rec["fp8"].values())
+        if "moe" in rec:  # the busiest expert's tokens over the mean (1.00 = balanced)
+            post["moe imb"] = f"{rec['moe']['imbalance']:.2f}"
+            post["aux"] = f"{rec['moe']['aux_loss']:.3f}"
         if self.bar is not None:
             self.bar.set_postfix(post, refresh=False)
             return
@@ -92,8 +96,10 @@ class Reporter:
         self.record({"type": "memory", "step": eng.global_step, **mem})
         ms = mem["model_states"]
         n_params = sum(p.numel() for p in eng.module.parameters())
+        active = active_param_count(self.cfg.model) if self.enabled else n_params
+        moe = f" ({active:,} active per token)" if active != n_params else ""
         self.say(f"[zerotrain] {world} rank(s), {eng.strategy.name}, "
-                 f"{n_params:,} params, {eng.policy.describe()}")
+                 f"{n_params:,} params{moe}, {eng.policy.describe()}")
         held = ", ".join(f"{place} {k}={v:,}" for place in ("device", "host")
                          for k, v in ms[place].items() if v)
         self.say("[zerotrain] model states on rank 0 (bytes): "
@@ -106,16 +112,20 @@ class Reporter:
                 self.say(warning)
 
     def log_step(self, eng: Engine, sinfo: StepInfo, loss: float, tokens_per_s: float,
-                 dt: float) -> None:
-        """A logged step: its record, and the progress bar's numbers."""
+                 dt: float, moe: dict | None = None) -> None:
+        """A logged step: its record, and the progress bar's numbers (`moe`: the routers'
+        record since the last logged step, models/moe.py)."""
         rec = {"type": "train", "step": eng.global_step, "loss": loss, "lr": sinfo.lr,
                "grad_norm": sinfo.grad_norm, "tokens_per_s": tokens_per_s,
                "step_time_s": dt, "loss_scale": sinfo.loss_scale,
-               "skipped_total": sinfo.skipped_total, "bytes_sent": eng.last_traffic_bytes[0]}
+               "skipped_total": sinfo.skipped_total, "bytes_sent": eng.last_traffic_bytes[0],
+               "inter_node_bytes_sent": eng.last_inter_bytes[0]}
         if eng.last_tier_bytes:  # offload tiers that move bytes (nvme): read/written this step
             rec["tier_bytes"] = eng.last_tier_bytes
         if sinfo.fp8 is not None:  # FP8 overflow/underflow counts per tensor class, this step
             rec["fp8"] = sinfo.fp8
+        if moe is not None:
+            rec["moe"] = moe
         self.train_step(rec, eng.policy.loss_scaling)
 
     def phases(self, eng: Engine) -> None:

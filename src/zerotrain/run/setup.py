@@ -23,12 +23,12 @@ from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.io import complete_checkpoints
 from zerotrain.comm.dist import (
     DistInfo,
-    barrier,
     init_distributed,
     patient_barrier,
     pick_device,
 )
 from zerotrain.config import Config, ConfigError, DataConfig, check_sequence_parallel
+from zerotrain.config.nodes import check_nodes
 from zerotrain.config.training import DEFAULT_WARMUP
 from zerotrain.data.dataset import (
     cached_shards,
@@ -252,6 +252,7 @@ def check_before_launch(cfg: Config, resume: str | None, world: int) -> None:
 
     check_nvme_path(cfg, world, device.type)
     check_sequence_parallel(cfg.sequence.parallel, world, seq_len=cfg.model.block_size)
+    check_nodes(cfg, world)
     src = resolve_resume(cfg, resume)
     data = load_data(cfg, 0, world, drop_caches=drops_caches(cfg, src))
     for line in data.notes:
@@ -303,17 +304,18 @@ def setup(cfg: Config, resume: str | None) -> Run:
     engine.run_id = new_run_id()
     run_dir = Path(cfg.logging.run_dir)
     lines = _resume(engine, src, cfg) if src is not None else []
-    barrier()  # every rank has checked the folder before rank 0 may clear it
+    patient_barrier()  # every rank has checked the folder before rank 0 may clear it
     if src is None and info.rank == 0:
         clear_run(cfg)  # what an earlier, unresumable attempt or --logging.overwrite left
-    barrier()
+    patient_barrier()  # rank 0's rmtree of old checkpoints may outlast comm.timeout_s
     report = Reporter(cfg, run_dir, info.rank, engine.global_step,
                       engine.global_step if src is not None else None)
     if src is None and resume == "auto":  # say so: the user may have expected a resume
         why = f"restart {restart_count()}" if restart_count() else "--resume auto"
         lines.append(f"[zerotrain] {why}: no complete checkpoint in {checkpoint_root(cfg)}; "
                      "starting a new run from step 0")
-    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines]:
+    note = cfg.optimizer.state_note()
+    for line in [data.summary, *data.notes, *_default_notes(cfg), *lines, *([note] * bool(note))]:
         report.say(line)
     run = Run(cfg, info, engine, data.sampler, data.val_set, run_dir, checkpoint_root(cfg),
               report, src is not None, data.tokenizer)
@@ -346,6 +348,7 @@ def _resume(engine: Engine, src: Path, cfg: Config) -> list[str]:
     if info.optimizer_reset:
         lines.append(f"[zerotrain] optimizer state reset ({info.meta.get('optimizer')} -> "
                      f"{cfg.optimizer.name}): weights, counters and loss scale were kept")
+    lines += info.notes
     if info.changes:
         lines.append("[zerotrain] warning: settings differ from the checkpoint's, this run's "
                      "config wins: " + "; ".join(info.changes))

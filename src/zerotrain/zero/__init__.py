@@ -22,6 +22,7 @@ from zerotrain.zero.base import Strategy
 from zerotrain.zero.build import build_units
 from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
+from zerotrain.zero.grad_wire import choose_grad_wire
 from zerotrain.zero.infinity import NvmeOffload, ParamTier, Streamed, Tiers
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.muon import MatrixOwners
@@ -110,6 +111,7 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     extra = {"tiers": tiers} if tiers is not None else {}
     return cls(model, plan, policy, part, cfg, device, units, grads, updater=updater,
                wire=choose_wire(cls.shards, plan, cfg, fp8_gather=fp8_gather),
+               grad_wire=choose_grad_wire(comm, cls.shards, cfg.grad_wire),
                placement=placement, **extra)
 
 

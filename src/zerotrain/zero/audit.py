@@ -31,9 +31,9 @@ def tensors_by_category(units: Sequence[Any], grads_sharded: bool, offload: bool
     grads_place = host if grads_sharded else "device"
     out += [("grads", grads_place, u.grad) for u in units]
     out += [("master", host, u.master) for u in units]
-    for st in optimizer_state:
-        out += [("optimizer", host, t) for t in st.values()
-                if isinstance(t, Tensor) and t.numel() > 1]
+    for st in optimizer_state:  # Kahan's compensation (bf16 masters) is the master's
+        out += [("master" if k == "master_comp" else "optimizer", host, t)
+                for k, t in st.items() if isinstance(t, Tensor) and t.dim() > 0]
     return out
 
 

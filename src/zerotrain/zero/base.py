@@ -25,8 +25,11 @@ every rank (`publish`). Hooks and norms live here, once; checkpoint state in
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +41,7 @@ from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import foreach
 from zerotrain.zero.cut import UnitSpec, buckets
 from zerotrain.zero.flat import NamedParams, Segment
+from zerotrain.zero.grad_wire import PlainGradWire
 from zerotrain.zero.grads import FullGrads
 from zerotrain.zero.partition import Partition
 from zerotrain.zero.placement import Kind, OnDevice, Placement
@@ -57,10 +61,11 @@ class Strategy(StrategyState):
     def __init__(self, model: nn.Module, plan: Plan, policy: PrecisionPolicy, part: Partition,
                  cfg: ZeroConfig, device: torch.device, units: list[Unit], grads: FullGrads,
                  *, updater: type[Updater] = Elementwise, wire: PlainWire | None = None,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, grad_wire: PlainGradWire | None = None):
         """Finished `units` and their gradient store `grads` (zero/build.py makes both),
         and the parts `zero.build_strategy` chose: `updater`, how the optimizer meets the
-        master weights; `wire`, how gathered parameters travel (ZeRO-3); `placement`,
+        master weights; `wire`, how gathered parameters travel (ZeRO-3); `grad_wire`, how
+        the gradient reduce-scatter travels (ZeRO++'s qgZ, zero/grad_wire.py); `placement`,
         where gradients, masters and optimizer states live (the one that made `grads`)."""
         assert part.comm is not None, "a strategy talks to its partition's ranks"
         self.placement = placement or OnDevice(device)
@@ -69,6 +74,7 @@ class Strategy(StrategyState):
         self.part, self.comm = part, part.comm
         self.max_in_flight = cfg.in_flight(device.type)  # reductions running in backward
         self.wire = wire or PlainWire()
+        self.grad_wire = grad_wire or PlainGradWire()
         self.device = device
         self.host = grads.host
         self.rank, self.world = part.rank, part.world
@@ -79,9 +85,11 @@ class Strategy(StrategyState):
         self._communicate = True
         self._callback_queued = False
         self._open = False
+        self._summed = False  # stages 0–1: the full gradients hold the ranks' sum
         for u in self.units:
             for i, s in enumerate(u.slots):
                 s.param.register_post_accumulate_grad_hook(self._hook(u, i))
+        self._follow_zero_grad(model)
 
     # ================================================================ declarations
     @property
@@ -159,6 +167,8 @@ class Strategy(StrategyState):
         return hook
 
     def _on_grad(self, u: Unit, i: int) -> None:
+        if not self._open:  # a backward this engine did not start: another engine's loss
+            self.pre_backward(True)  # through this model (a GAN's G through D): reduced
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
@@ -181,6 +191,21 @@ class Strategy(StrategyState):
         self._communicate = boundary or self.grads.every_micro_step
         self._callback_queued = False
         self._open = True
+        self._unsum()
+
+    def _unsum(self) -> None:
+        """Several backwards before one step (stages 0–1): a reduction left the ranks' sum
+        in every rank's full gradient (ZeRO-1: in its own chunk); reduced again with the
+        next backward's it would count N times. Each rank keeps only its own chunk of it,
+        so the next sum over ranks counts it once: g1 + g2, as one process has it."""
+        if not self._summed:
+            return
+        self._summed = False
+        with torch.no_grad():
+            for u in self.units:
+                lo, hi = u.shard_range
+                u.grad[:lo].zero_()
+                u.grad[hi:].zero_()
 
     def finish_backward(self) -> None:
         """End of backward (autograd callback): reduce late units, wait for all traffic."""
@@ -196,6 +221,7 @@ class Strategy(StrategyState):
                     self.reduce_grads(u)
         self.wait_pending()
         self.grads.drain()
+        self._summed = self._communicate and not self.grads.every_micro_step
         for u in self.units:
             u.end_backward()
         self._callback_queued = False
@@ -248,8 +274,12 @@ class Strategy(StrategyState):
             u = self.units[seg.unit]
             if u.index not in grads:
                 g = self.owned_grad(u)
-                grads[u.index] = g.to(view.dtype) if g.dtype != view.dtype else g
+                # a compact update reads any dtype (and fp32 grads beat bf16 ones there)
+                cast = g.dtype != view.dtype and not self.policy.compact.active
+                grads[u.index] = g.to(view.dtype) if cast else g
             lo = self.opt_range(u)[0]
+            if grads[u.index].dtype != view.dtype:
+                view.grad_dtype = None  # torch ≥ 2.10: a gradient of another dtype
             view.grad = grads[u.index][seg.start - lo:seg.end - lo].view(view.shape)
 
     def detach_grads(self) -> None:
@@ -284,13 +314,32 @@ class Strategy(StrategyState):
 
     def zero_grad(self) -> None:
         self.grads.clear(self.units)
+        self._summed = False
+
+    def _follow_zero_grad(self, model: nn.Module) -> None:
+        """`model.zero_grad()` clears the gradients kept here too, as it clears .grad in
+        plain torch: another engine's backward through this model (a GAN's) leaves its
+        gradient in them, which the user's zero_grad must drop. Bound to the model and
+        holding this strategy weakly: a deep copy (an EMA) clears only its own, and a
+        later engine over the same model replaces this one."""
+        model._zerotrain_grads = weakref.ref(self)
+        model.zero_grad = types.MethodType(_zero_grad, model)  # type: ignore[method-assign]
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter usable in full inside the block (ZeRO-3 gathers; collective)."""
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every parameter (or `params`) usable in full inside the block (ZeRO-3 gathers;
+        collective)."""
         yield
 
     def close(self) -> None:
         self.placement.close()
         self.comm.close()
 
+
+def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    """A model's zero_grad while an engine trains it (`Strategy._follow_zero_grad`)."""
+    type(module).zero_grad(module, set_to_none)
+    ref = module.__dict__.get("_zerotrain_grads")
+    strategy = ref() if ref is not None else None
+    if strategy is not None and strategy.model is module:
+        strategy.zero_grad()

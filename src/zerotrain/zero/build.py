@@ -142,20 +142,21 @@ def _init_shard(u: ShardedUnit, dtype: torch.dtype, device: torch.device,
 def place_rest(model: nn.Module, device: torch.device, dtype: torch.dtype,
                init_buffers: Callable[[nn.Module], None] | None = None) -> None:
     """Move what the units do not own — buffers and frozen parameters — to the device
-    (floating ones in the compute dtype), without touching trainable parameters.
-    Buffers of a meta-device model are made on the device and filled by `init_buffers`."""
+    (floating frozen parameters in the compute dtype), without touching trainable
+    parameters. Buffers keep their dtype, as DeepSpeed keeps them: an fp32 rotary
+    `inv_freq` cast to bf16 would shift every position's angle. Buffers of a meta-device
+    model are made on the device and filled by `init_buffers`."""
     fresh = []
     with torch.no_grad():
         for m in model.modules():
             for name, b in m.named_buffers(recurse=False):
                 if b is None:
                     continue
-                cast = dtype if b.is_floating_point() else None
                 if b.device.type == "meta":
-                    m._buffers[name] = torch.empty_like(b, device=device, dtype=cast)
+                    m._buffers[name] = torch.empty_like(b, device=device)
                     fresh.append(m)
                 else:
-                    m._buffers[name] = b.to(device, cast)
+                    m._buffers[name] = b.to(device)
             for p in m.parameters(recurse=False):
                 if not p.requires_grad:
                     p.data = p.data.to(device, dtype if p.is_floating_point() else None)

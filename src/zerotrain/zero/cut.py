@@ -27,6 +27,7 @@ from zerotrain.memory import (
 )
 from zerotrain.models import build_model, count_params, on_meta, plan_for
 from zerotrain.models.plan import Plan
+from zerotrain.numerics.blockquant import BLOCK
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import resolve_compile, state_bytes_per_param
 from zerotrain.zero.flat import NamedParams, flat_end
@@ -108,7 +109,11 @@ def model_size(model_cfg: ModelConfig) -> tuple[int, int]:
 
 
 def align_for(device_type: str, policy: PrecisionPolicy) -> int:
-    """GPUs want 16-byte aligned parameters and shards; the CPU packs them end to end."""
+    """GPUs want 16-byte aligned parameters and shards; the CPU packs them end to end.
+    int8 optimizer states: every parameter and shard starts a quantisation block, so no
+    block straddles a shard and every world size and stage quantises the same blocks."""
+    if policy.state_dtype == "int8":
+        return BLOCK
     return 16 // policy.param_dtype.itemsize if device_type == "cuda" else 1
 
 
@@ -129,7 +134,7 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
     """The shape of a run of strategy kind `cls` (`zero.placement.Kind`: its stage's
     declarations and cut, its placement's `offloads`) over
     `model` (a meta model does: only shapes are read) at `world` ranks."""
-    policy = PrecisionPolicy.from_config(cfg.precision)
+    policy = PrecisionPolicy.from_config(cfg.precision, cfg.optimizer)
     named = trainable(model, plan)
     align = align_for(device_type, policy)
     cut = [ps for _, ps, _ in cls.cut(model, plan, named, cfg.zero, policy)]
@@ -142,9 +147,11 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
     own = sum(shard_numel(n, world) for n in numels) if sharded else sum(numels)
     compiled = cfg.optimizer.name in ("adam", "adamw") and resolve_compile(
         cfg.optimizer.compile, [{"params": [torch.empty(own, device="meta")]}])
-    k = state_bytes_per_param(cfg.optimizer.name, cfg.optimizer.momentum)
+    k = state_bytes_per_param(cfg.optimizer.name, cfg.optimizer.momentum,
+                              policy.stored_state_dtype)
     bpp = BytesPerParam(policy.param_dtype.itemsize, policy.grad_dtype.itemsize,
-                        policy.master_dtype.itemsize if policy.master_dtype else 0, k)
+                        policy.master_dtype.itemsize if policy.master_dtype else 0, k,
+                        comp=2 if policy.master_update == "kahan" else 0)
     widest = max(p.numel() for _, p, _ in named)
     cpu = device_type == "cpu"
     # the tiers the config asks for (zero.offload_param / offload_optimizer, issue 25)
@@ -158,6 +165,9 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
         largest_unit=max(numels),
         widest_param=widest, reduce_bytes=policy.reduce_dtype.itemsize, gather_bytes=gather,
         in_flight=cfg.zero.in_flight(device_type), prefetch=cfg.zero.prefetch,
+        secondary_partition=(cfg.zero.secondary_partition or 0) if "params" in cls.shards else 0,
+        grad_wire_bits={"int8": 8, "int4": 4}.get(cfg.zero.grad_wire, 0)
+        if "params" in cls.shards else 0,
         high_water=cpu, lazy_grads=cpu,
         init_piece=widest if plan.init is not None else None,
         runtime=COMPILE_RUNTIME_BYTES if compiled else 0,

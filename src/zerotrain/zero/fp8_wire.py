@@ -48,6 +48,13 @@ class Fp8Wire:
         self.send = torch.zeros(self.chunk_bytes, dtype=torch.uint8)
         self.scales: dict[str, Tensor] = {}
         self.recv: Tensor | None = None
+        # With a parameter tier (`zero.offload_param`) the shard is away between uses:
+        # its amaxes are noted when the publish writes it (`note`), the all-ranks ones
+        # kept (`amax`), and the bytes packed at the gather from the shard made ready
+        # (`ready`); the send buffer lives only while a gather runs (review 3, C-2).
+        self.lazy = False
+        self.mine: dict[str, Tensor] = {}
+        self.amax: dict[str, Tensor] = {}
 
     def _nbytes(self, p: Piece) -> int:
         return (p.end - p.start) * (1 if p.fp8 else self.itemsize)
@@ -72,21 +79,40 @@ class Fp8Wire:
         return {p.fp8: local_amax(shard[p.start - lo:p.end - lo])
                 for p in self.chunks[self.unit.rank] if p.fp8}
 
+    def note(self, shard: Tensor) -> None:
+        """Lazy (tier): this rank's amaxes, taken while the publish holds the shard."""
+        if self.lazy:
+            self.mine = self.local_amaxes(shard)
+
+    def ready(self, shard: Tensor) -> None:
+        """Lazy (tier): pack from the shard the tier has just made ready for a gather."""
+        if self.lazy:
+            self.pack(shard, self.amax)
+
     def pack(self, shard: Tensor, amaxes: dict[str, Tensor]) -> None:
         """This rank's chunk as bytes, with every weight's all-ranks amax."""
+        if self.send.numel() != self.chunk_bytes:  # lazy: released after each gather
+            # made where the shard is (no host round trip per gather); a chunk's padding
+            # past this rank's pieces is sent but never decoded
+            self.send = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=shard.device)
         self.send = self.send.to(shard.device)
         lo = self.unit.shard_range[0]
+        scales: dict[str, Tensor] = {}
         for p in self.chunks[self.unit.rank]:
             out = self.send[p.byte:p.byte + self._nbytes(p)]
             src = shard[p.start - lo:p.end - lo]
             if p.fp8:
-                _, self.scales[p.fp8] = quantize_shard(src, amaxes[p.fp8], out=out)
+                _, scales[p.fp8] = quantize_shard(src, amaxes[p.fp8], out=out)
             else:
                 out.copy_(src.contiguous().view(torch.uint8))
-        for c in self.chunks:  # scales of weights this rank holds no piece of
+        # every weight's scale anew, also of weights this rank holds no piece of: their
+        # owners encode with this step's amax, so decoding with an older one would put
+        # this rank's copy off by a power of two (review 3, W-1)
+        for c in self.chunks:
             for p in c:
-                if p.fp8 and p.fp8 not in self.scales:
-                    _, self.scales[p.fp8] = quantize_shard(shard[:0], amaxes[p.fp8])
+                if p.fp8 and p.fp8 not in scales:
+                    _, scales[p.fp8] = quantize_shard(shard[:0], amaxes[p.fp8])
+        self.scales = scales
 
     def start(self, comm: Comm, async_op: bool) -> Handle:
         n = self.unit.world_size
@@ -107,12 +133,14 @@ class Fp8Wire:
                 else:
                     raw[p.start * self.itemsize:p.end * self.itemsize].copy_(src)
         self.recv = None
+        if self.lazy:
+            self.send = self.send[:0]
 
 
 def refresh_all(units: list, comm: Comm) -> None:
     """Pack every FP8 unit after an update: one MAX all-reduce of all weights' amaxes."""
     wired = [u for u in units if u.wire is not None]
-    local = [u.wire.local_amaxes(u.shard) for u in wired]
+    local = [u.wire.mine if u.wire.lazy else u.wire.local_amaxes(u.shard) for u in wired]
     names = sorted({n for c in (u.wire.chunks for u in wired) for ch in c for p in ch
                     if (n := p.fp8)})
     # the default for a weight this rank holds no piece of is made where the amaxes
@@ -121,7 +149,12 @@ def refresh_all(units: list, comm: Comm) -> None:
     zero = torch.zeros((), device=dev)
     flat = torch.stack([next((a[n] for a in local if n in a), zero)
                         for n in names]) if names else torch.zeros(0, device=dev)
-    glob = comm.all_reduce_scalars(flat.double(), op="max").float()
+    # back on the shards' device once: each piece's scale would otherwise copy its own
+    # 0-d amax host to device (pageable: a stream sync per FP8 piece per step)
+    glob = comm.all_reduce_scalars(flat.double(), op="max").float().to(dev)
     amax = dict(zip(names, glob))
     for u in wired:
-        u.wire.pack(u.shard, amax)
+        if u.wire.lazy:  # its shard is in a tier: packed at the gather (`ready`)
+            u.wire.amax = amax
+        else:
+            u.wire.pack(u.shard, amax)

@@ -305,7 +305,8 @@ class Streamed(UnitByUnit):
         opt = self.s._optimizer
         for j, (_, view) in enumerate(views):
             for name, t in list(opt.state.get(view, {}).items()):
-                if not isinstance(t, Tensor) or t.numel() != view.numel() or t.numel() <= 1:
+                size = t.numel() if isinstance(t, Tensor) else 0  # int8: + block scales
+                if size <= 1 or (size != view.numel() and not name.endswith("~scale")):
                     continue
                 key = (u.index, j, name)
                 p = self.states.get(key)

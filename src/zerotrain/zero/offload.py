@@ -22,72 +22,21 @@ still shown by the audit) and none of the machinery runs.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from zerotrain.memory.host import (  # noqa: F401 (here before memory/host.py had them)
+    _REGISTERED,
+    clear_cuda_error,
+    host_buffer,
+    release_host_buffer,
+)
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.grads import FullGrads, ShardedGrads
 from zerotrain.zero.placement import Placement
 from zerotrain.zero.unit import Unit
-
-
-def host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> Tensor:
-    """Zeros in host memory; pinned at exactly this size when it feeds a GPU.
-
-    A pinned buffer is registered for exactly as long as its memory lives: the memory is
-    a ctypes array that the tensor's storage keeps alive (views included), and a
-    finalizer on that array unregisters it. An Engine dropped without `close()` thus
-    never leaves freed memory registered, where the next registration at the same address
-    (a second Engine: tests, notebooks, sweeps) would fail with "already registered".
-    """
-    if not (pinned and numel):
-        return torch.zeros(numel, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    raw = (ctypes.c_uint8 * nbytes)()  # zeroed; freed with the last view of the tensor
-    t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-    ptr = t.data_ptr()
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
-        # the runtime keeps the error as its "last error" too, and the next kernel
-        # launch check would report it against an unrelated op: clear it first
-        clear_cuda_error()
-        raise RuntimeError(f"cudaHostRegister failed ({err}) for {numel} elements")
-    _REGISTERED[ptr] = weakref.finalize(raw, _unregister, ptr)
-    return t
-
-
-#: data_ptr -> the finalizer that unregisters it (run early by `release_host_buffer`)
-_REGISTERED: dict[int, weakref.finalize] = {}
-
-
-def _unregister(ptr: int) -> None:
-    _REGISTERED.pop(ptr, None)
-    with contextlib.suppress(Exception):  # at interpreter exit the runtime may be gone
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-def release_host_buffer(t: Tensor) -> None:
-    """Unregister now (the memory stays valid, as pageable memory, while views live)."""
-    fin = _REGISTERED.get(t.data_ptr())
-    if fin is not None:
-        fin()
-
-
-def clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error (torch's cudart binding has no
-    cudaGetLastError): call it in the loaded libcudart, if one can be found."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except (OSError, AttributeError):
-        pass
 
 
 class HostGrads(ShardedGrads):

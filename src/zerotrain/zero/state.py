@@ -60,17 +60,22 @@ class StrategyState:
                 u.master.copy_(sd[f"master.{u.index}"])
         self.publish_all()
 
-    def load_weights(self, read: WeightReader) -> None:
-        """Fill this rank's master range of every unit from full parameters, then publish.
+    def load_weights(self, read: WeightReader, only: set[int] | None = None) -> None:
+        """Fill this rank's master range of every unit (or of the units indexed in `only`)
+        from full parameters, then publish.
 
         `read` is asked only for the elements this rank keeps, so a sharded source
         (resharded checkpoint, safetensors slices) is never materialised in full.
         """
         with torch.no_grad():
-            for u in self.units:
+            for u in self.units_of_index(only):
                 lo, hi = self.opt_range(u)
                 u.master.copy_(gather_range(u.layout(), lo, hi, read, u.master.dtype))
         self.publish_all()
+
+    def units_of_index(self, only: set[int] | None) -> list:
+        return list(self.units) if only is None else [u for u in self.units
+                                                      if u.index in only]
 
     def weights_finite(self) -> bool:
         """Whether every rank's master weights are finite (collective; before a save)."""

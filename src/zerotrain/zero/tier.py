@@ -189,9 +189,8 @@ class NvmeTier(Tier):
     def require(self, nbytes: int) -> None:
         """Refuse a disk without room for this rank's files and those of the other ranks
         on this machine (torchrun's LOCAL_WORLD_SIZE; they share `nvme_path`, each about
-        as large; what they allocated already counts as theirs). The files are
-        allocated (fallocate) as the units are cut, so a disk
-        filling between this check and then still fails before the first step."""
+        as large; what they allocated already counts as theirs). The files are allocated
+        (fallocate) as the units are cut: a disk filling meanwhile fails before step 1."""
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         total = nbytes * ranks
         free = free_bytes(self.path) + held_by_others(Path(self.path), self.root)
@@ -287,7 +286,8 @@ class Placed:
         self.resident, self.dirty = True, True
         self.loading: IOHandle | None = None
         self.storing: IOHandle | None = None
-        self._staged: Tensor | None = None  # NVMe from a GPU: the pinned host copy
+        self._staged: Tensor | None = None  # NVMe from a GPU: the pinned host copy in use
+        self._pin, self._h2d = None, None  # its buffer; the event after a copy out of it
         self.last_load: IOHandle | None = None  # the latest fetch (timelines)
 
     @property
@@ -309,12 +309,9 @@ class Placed:
             return
         st = self.t.untyped_storage()
         st.resize_(self.t.numel() * self.t.element_size())
-        dst = self.t
-        if self._host_side():
-            dst = self._staged = torch.empty(self.t.numel(), dtype=self.t.dtype,
-                                             pin_memory=True)
+        dst = self._staged = self._staging() if self._host_side() else None
         assert self.region is not None
-        self.loading = self.last_load = self.tier.load(self.region, dst)
+        self.loading = self.last_load = self.tier.load(self.region, self.t if dst is None else dst)
         self.resident, self.dirty = True, False
 
     def ready(self) -> Tensor:
@@ -326,8 +323,20 @@ class Placed:
             self.loading = None
             if self._staged is not None:
                 self.t.copy_(self._staged, non_blocking=True)
+                self._h2d = torch.cuda.Event()
+                self._h2d.record(torch.cuda.current_stream(self.t.device))
                 self._staged = None
         return self.t
+
+    def _staging(self) -> Tensor:
+        """The pinned buffer NVMe moves of a device tensor go through: exact size, made
+        once (L-1), free when the latest copy out of it has run."""
+        if self._pin is None:
+            self._pin = host_buffer(self.t.numel(), self.t.dtype, True)
+        if self._h2d is not None:
+            self._h2d.synchronize()
+            self._h2d = None
+        return self._pin
 
     def evict(self) -> None:
         """Start moving it back to the tier (written only when `dirty`)."""
@@ -338,18 +347,18 @@ class Placed:
             self._release()
             return
         src = self.t
-        if self._host_side():
-            src = self._staged = self.t.to("cpu", copy=True).pin_memory()
+        if self._host_side():  # one copy, straight into the pinned buffer
+            src = self._staged = self._staging()
+            src.copy_(self.t.reshape(-1))
         assert self.region is not None
         self.storing = self.tier.store(self.region, src)
         self.dirty = False
 
     def settle(self) -> None:
-        """Wait for an eviction's write and release the storage."""
+        """Wait for an eviction's write and release the storage; a side-stream copy is
+        waited by the compute stream only, whose pool the storage returns to (S-3)."""
         if self.storing is not None:
             h, self.storing, self._staged = self.storing, None, None
-            if isinstance(h, EventHandle):
-                h.synchronize()
             h.wait()
             self._release()
 

@@ -100,18 +100,24 @@ class ShardedUnit(Unit):
     wire: Any = field(default=None, repr=False)  # zero.fp8_wire.Fp8Wire: gather in FP8
     _wire: Any = field(default=None, repr=False)  # the wire of the gather in flight
 
-    def unshard(self, comm: Comm, async_op: bool = True, exact: bool = False) -> None:
+    def unshard(self, comm: Comm, async_op: bool = True, exact: bool = False,
+                via: tuple[Comm, Tensor] | None = None) -> None:
         """Start gathering the full parameters (a no-op unless SHARDED). `exact`: the
-        parameter dtype's own values even when forward gathers in FP8 (`wire`)."""
+        parameter dtype's own values even when forward gathers in FP8 (`wire`). `via`:
+        gather from another partition instead — (its group, this rank's piece), hpZ's
+        node-local copy — as it is, plain."""
         if self.state is not UnitState.SHARDED:
             return
-        wire = None if exact else self.wire
+        wire = None if exact or via is not None else self.wire
         st = self.params.untyped_storage()
         st.resize_(self.padded_numel * self.params.element_size())
         self.point_params_at(self.params)
         self._wire = wire
-        self.handle = (wire.start(comm, async_op) if wire is not None
-                       else comm.all_gather(self.params, self.shard, async_op=async_op))
+        if via is not None:
+            self.handle = via[0].all_gather(self.params, via[1], async_op=async_op)
+        else:
+            self.handle = (wire.start(comm, async_op) if wire is not None
+                           else comm.all_gather(self.params, self.shard, async_op=async_op))
         self.state = UnitState.GATHERING
         if not async_op:
             self.wait_unshard()

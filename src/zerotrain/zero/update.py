@@ -48,6 +48,9 @@ class Updater:
                 view = u.master[seg.start - lo:seg.end - lo]
                 if seg.param is not None:
                     view = view.view(seg.param.shape)
+                # where the view starts in the model (unit, offset): stochastic rounding
+                # draws each element's bits from it, so any cut rounds alike
+                view.zt_origin = (u.index << 40) + seg.start
                 out.append((seg, view))
         return sorted(out, key=lambda sv: sv[0].group)
 

@@ -18,7 +18,9 @@ import torch
 from zerotrain.comm.collectives import Comm
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
+from zerotrain.numerics.wire_quant import BLOCK
 from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+from zerotrain.zero.int8_wire import Int8Wire
 from zerotrain.zero.unit import ShardedUnit
 
 
@@ -64,14 +66,38 @@ class Fp8Gather(PlainWire):
             refresh_all(list(units), comm)
 
 
+@dataclass(frozen=True)
+class Int8Gather(PlainWire):
+    """ZeRO++'s qwZ (`zero.param_wire: int8`): every parameter as int8 codes with one
+    fp32 scale per block of 256 (zero/int8_wire.py)."""
+
+    name = "int8"
+
+    def element_bytes(self, name: str, param_bytes: int) -> float:
+        return 1 + 4 / BLOCK
+
+    def attach(self, units: Sequence[ShardedUnit], itemsize: int) -> None:
+        for u in units:
+            if not u.persistent:
+                u.wire = Int8Wire(u)
+
+    def refresh(self, units: Sequence[ShardedUnit], comm: Comm) -> None:
+        with torch.no_grad():
+            for u in units:
+                if u.wire is not None and not u.wire.lazy:
+                    u.wire.pack(u.shard)
+
+
 def choose_wire(shards: frozenset[str], plan: Plan, cfg: ZeroConfig, *,
                 fp8_gather: bool = False) -> PlainWire:
     """The wire of a strategy sharding `shards`: only ZeRO-3 gathers parameters, so any
-    other stage travels plain. `fp8_gather` (precision.fp8.all_gather): the plan's FP8
-    linears' weights go as one byte per element. A new wire adds its line here, read
-    from its `zero.*` field of `cfg`."""
+    other stage travels plain. `zero.param_wire` fp8 (alias: precision.fp8.all_gather,
+    `fp8_gather`): the plan's FP8 linears' weights go as one byte per element; int8
+    (qwZ): every parameter block-quantised. A new wire adds its line here."""
     if "params" not in shards:
         return PlainWire()
-    if fp8_gather:
+    if fp8_gather or cfg.param_wire == "fp8":
         return Fp8Gather(frozenset(f"{m}.weight" for m in plan.fp8_linears))
+    if cfg.param_wire == "int8":
+        return Int8Gather()
     return PlainWire()

@@ -8,6 +8,7 @@ Reduce-scatter + all-gather is exactly the traffic of one all-reduce.
 
 from __future__ import annotations
 
+from zerotrain.config.zero_facts import STAGE_SHARDS
 from zerotrain.zero.ddp import DDP
 from zerotrain.zero.unit import Unit
 
@@ -15,7 +16,7 @@ from zerotrain.zero.unit import Unit
 class ZeRO1(DDP):
     name = "zero1"
     stage = 1
-    shards = frozenset({"master", "optimizer"})
+    shards = STAGE_SHARDS[1]
 
     def reduce_grads(self, u: Unit) -> None:
         buf = u.grad

@@ -9,6 +9,7 @@ shard is where accumulation happens.
 
 from __future__ import annotations
 
+from zerotrain.config.zero_facts import STAGE_SHARDS
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.grads import ShardedGrads
 from zerotrain.zero.unit import Unit
@@ -18,7 +19,7 @@ from zerotrain.zero.zero1 import ZeRO1
 class ZeRO2(ZeRO1):
     name = "zero2"
     stage = 2
-    shards = frozenset({"grads", "master", "optimizer"})
+    shards = STAGE_SHARDS[2]
     grads_class = ShardedGrads
 
     @classmethod
@@ -28,4 +29,4 @@ class ZeRO2(ZeRO1):
     def reduce_grads(self, u: Unit) -> None:
         bucket = self.grads.target(u)
         out, done = self.grads.landing(u)
-        self.enqueue(self.comm.grads.reduce_scatter(out, bucket, async_op=True), done)
+        self.enqueue(self.grad_wire.reduce_scatter(self.comm.grads, out, bucket), done)

@@ -31,16 +31,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from itertools import pairwise
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from zerotrain.config import ZeroConfig
+from zerotrain.config.zero_facts import STAGE_SHARDS
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams, gather_range
+from zerotrain.zero.hpz import SecondaryPartition
 from zerotrain.zero.infinity import Streamed, Tiers
 from zerotrain.zero.lazy import Lazy, from_tier
 from zerotrain.zero.tier import Tier
@@ -56,7 +59,7 @@ def in_backward() -> bool:
 class ZeRO3(ZeRO2):
     name = "zero3"
     stage = 3
-    shards = frozenset({"params", "grads", "master", "optimizer"})
+    shards = STAGE_SHARDS[3]
     unit_class = ShardedUnit
     units: list[ShardedUnit]
 
@@ -76,7 +79,10 @@ class ZeRO3(ZeRO2):
             assert u.module is not None
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
+        k = self.cfg.secondary_partition
+        self.hpz = SecondaryPartition(self.comm, k) if k else None
         self.wire.attach(self.units, self.policy.param_dtype.itemsize)
+        self._wire_in_tier()
         self.after_publish()  # the wire packs the first gathers' bytes
         self.tier_bytes()  # the first writes are the build's, not a step's
 
@@ -86,16 +92,24 @@ class ZeRO3(ZeRO2):
         """The plan's blocks, plus a root unit for everything else."""
         return blocks(model, plan, named)
 
-    def prefetch(self, u: ShardedUnit | None) -> None:
+    def prefetch(self, u: ShardedUnit | None, forward: bool = True) -> None:
         if u is not None and self.cfg.prefetch and not self.param_tier.moves:
-            u.unshard(self.comm, async_op=True)
+            self._unshard(u, forward, async_op=True)
+
+    def _unshard(self, u: ShardedUnit, forward: bool, async_op: bool) -> None:
+        """Start `u`'s gather: for the backward from hpZ's node-local copy when it has
+        one, otherwise across every rank through the wire."""
+        via = self.hpz.via(u) if self.hpz is not None and not forward else None
+        u.unshard(self.comm, async_op=async_op, via=via)
 
     def gather(self, u: ShardedUnit, forward: bool) -> None:
         """Gather `u` now (its shard made ready from the tier first, released after),
         then start what comes next: the tier's reads `offload_prefetch` units ahead,
         else the next unit's gather."""
         self.param_tier.ready(u)
-        u.unshard(self.comm, async_op=False)
+        if u.wire is not None:
+            u.wire.ready(u.shard)
+        self._unshard(u, forward, async_op=False)
         u.wait_unshard()
         self.param_tier.release(u)
         nxt = self._neighbour(u, forward)
@@ -105,7 +119,19 @@ class ZeRO3(ZeRO2):
                 break
             self.param_tier.fetch(ahead)
             ahead = self._neighbour(ahead, forward)
-        self.prefetch(nxt)
+        self.prefetch(nxt, forward)
+
+    def _wire_in_tier(self) -> None:
+        """FP8 gather with shards in a tier: each wire packs at its gather, from amaxes
+        noted while the shard is in memory — here, read once from the tier."""
+        if not self.param_tier.moves:
+            return
+        for u in self.units:
+            if u.wire is not None and u.index in self.param_tier.placed:
+                u.wire.lazy = True
+                self.param_tier.ready(u)
+                u.wire.note(u.shard)
+                self.param_tier.release(u)
 
     def _neighbour(self, u: ShardedUnit, forward: bool) -> ShardedUnit | None:
         """The unit that runs after `u`: recorded from the first forward, else the plan's
@@ -140,6 +166,8 @@ class ZeRO3(ZeRO2):
     def _post_forward(self, u: ShardedUnit, module: nn.Module, args, output):
         if in_backward():
             return output
+        if self.hpz is not None:
+            self.hpz.keep(u)
         u.reshard()
         self._record(self._finished, u)
         if u is self._root:  # drop prefetches the forward never consumed
@@ -161,8 +189,12 @@ class ZeRO3(ZeRO2):
     def reduce_grads(self, u: ShardedUnit) -> None:
         super().reduce_grads(u)
         u.reshard()
+        if self.hpz is not None:
+            self.hpz.drop(u)
 
     def after_backward(self) -> None:
+        if self.hpz is not None:
+            self.hpz.clear()
         for u in self.units:
             u.reshard()
             u.gathered_for_backward = False
@@ -170,6 +202,8 @@ class ZeRO3(ZeRO2):
     def publish(self, u: ShardedUnit) -> None:
         self.param_tier.overwrite(u)
         self.write_master_into(u, u.shard)
+        if u.wire is not None:
+            u.wire.note(u.shard)
         self.param_tier.written(u)
         if u.persistent:
             self.enqueue(self.comm.all_gather(u.params, u.shard, async_op=True))
@@ -179,17 +213,27 @@ class ZeRO3(ZeRO2):
         self.param_tier.settle_all()
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every unit gathered, exactly, inside the block (all ranks must enter it)."""
-        for u in self.units:
+    def full_parameters(self, params: Any = None) -> Iterator[None]:
+        """Every unit gathered, exactly, inside the block (all ranks must enter it); with
+        `params`, only the units holding one of them (a script touching one embedding
+        does not need the whole model on every GPU)."""
+        units = self.units_of(params)
+        for u in units:
             self.param_tier.ready(u)
             u.unshard(self.comm, async_op=False, exact=True)
             self.param_tier.release(u)
         try:
             yield
         finally:
-            for u in self.units:
+            for u in units:
                 u.reshard()
+
+    def units_of(self, params: Any = None) -> list:
+        """The units holding any of `params` (all of them for None)."""
+        if params is None:
+            return self.units
+        ids = {id(p) for p in params}
+        return [u for u in self.units if any(id(s.param) in ids for s in u.slots)]
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)
@@ -248,20 +292,20 @@ class ZeRO3(ZeRO2):
             return v.load() if isinstance(v, Lazy) else v
         self._fill_masters(master)
 
-    def load_weights(self, read) -> None:
+    def load_weights(self, read, only: set[int] | None = None) -> None:
         if not isinstance(self.updater, Streamed):
-            return super().load_weights(read)
+            return super().load_weights(read, only)
         self._fill_masters(lambda u: gather_range(u.layout(), *self.opt_range(u), read,
-                                                  u.master.dtype))
+                                                  u.master.dtype), only)
 
-    def _fill_masters(self, value) -> None:
+    def _fill_masters(self, value, only: set[int] | None = None) -> None:
         """Each unit's master from `value(u)`, published, and (in a tier) sent back
         before the next unit's is read."""
         up = self.updater
         assert isinstance(up, Streamed)
         up.placed_all()
         with torch.no_grad():
-            for u in self.units:
+            for u in self.units_of_index(only):
                 p = up.masters.get(u.index)
                 if p is not None:
                     p.claim()

@@ -1,0 +1,34 @@
+"""Checks that need the world size: nodes (`comm.node_size`) and ZeRO++'s groups.
+
+The config alone does not know how many ranks run; the launcher and the engine do, and
+both call `check_nodes`, so a problem reads the same wherever it is found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerotrain.config.base import ConfigError
+
+
+def node_problems(cfg: Any, world: int) -> list[str]:
+    """One message per problem with `comm.node_size` and `zero.secondary_partition`
+    at `world` ranks, each naming the field to change."""
+    out = []
+    node = cfg.comm.node_size or world
+    if world % node:
+        out.append(f"comm.node_size ({node}) must divide the world size ({world}): set it to "
+                   f"the ranks per node, a divisor of {world}")
+        node = world
+    k = cfg.zero.secondary_partition
+    if k and (node % k or world % k):
+        out.append(f"zero.secondary_partition ({k}) must divide comm.node_size ({node}): "
+                   "hpZ keeps a copy per group of K ranks inside a node; use a divisor of "
+                   f"{node}")
+    return out
+
+
+def check_nodes(cfg: Any, world: int) -> None:
+    problems = node_problems(cfg, world)
+    if problems:
+        raise ConfigError("\n".join(problems))
