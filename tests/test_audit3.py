@@ -5,6 +5,8 @@ tensors in client_state kept, and no silent change of what a run trains on."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 import shutil
 from pathlib import Path
@@ -406,10 +408,330 @@ def test_resume_at_another_data_parallel_degree_says_the_global_batch_changes():
         "accumulation 1 × 1 data-parallel rank(s)) to 4 (2 × 1 × 2)" in line
     )
     assert line.endswith("to keep 2, resume with --data.micro_batch_size 1")
-    assert global_batch_change(sp2, cfg, dp=1) == []  # SP 2 -> 1 on one rank: kept
+    assert global_batch_change(sp2, cfg, dp=1) == []  # SP 2 -> 1 on one rank: DP 1 both
     two = {"world_size": 2, "config": {"data": {"micro_batch_size": 2, "grad_accum_steps": 1}}}
     (line,) = global_batch_change(two, cfg, dp=1)  # 2 ranks -> 1 halves it
     assert "from 4 sequences" in line and "to 2 (2 × 1 × 1)" in line
     assert "--data.grad_accum_steps 2 or --data.micro_batch_size 4" in line
     kept = build_config({"data": {"micro_batch_size": 4}})
-    assert global_batch_change(two, kept, dp=1) == []
+    (line,) = global_batch_change(two, kept, dp=1)
+    assert line.startswith("[zerotrain] the global batch is kept: 4 sequences per step")
+    assert global_batch_change(two, cfg, dp=2) == []
+
+
+# ------------------------------------------------------------------ MISLEADING 2
+def test_estimate_max_seq_fits_its_own_predicted_peak(tmp_path, capsys):
+    import json
+
+    from zerotrain.cli.estimate_peaks import peak_at
+    from zerotrain.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {arch: llama, n_layer: 2, n_head: 2, n_embd: 64, "
+        "vocab_size: 4096, block_size: 262144, activation_checkpointing: true}\n"
+        "sequence: {tile_tokens: 512}\ndata: {micro_batch_size: 1}\n"
+        "zero: {stage: 3}\n"
+    )
+    base = ["estimate", "--model", str(path), "--stage", "3", "--device", "cpu", "--json"]
+
+    def longest(limit: str, gpus: str = "2") -> dict:
+        code, out, err = run(capsys, *base, "--gpus", gpus, "--max-seq", "--gpu-mem", limit)
+        assert code == 0, err
+        return json.loads(out)["rows"][0]
+
+    peak = peak_at(load_config(str(path)), 2, 3, device="cpu", micro_batch=1)
+    n = longest("1GiB")["max_seq"]
+    assert n > 0 and peak(n) <= 2**30 < peak(n + 1)
+    code, out, err = run(capsys, *base, "--gpus", "2", "--seq", str(n), "--gpu-mem", "1GiB")
+    assert code == 0, err
+    row = json.loads(out)["rows"][0]
+    assert row["fits"] and max(row["peaks"]["init"], row["peaks"]["steady"]) <= 2**30
+    assert longest("1MB")["max_seq"] == 0  # the CPU runtime alone is hundreds of MB
+    # layouts zerotrain train refuses are refused here too
+    path.write_text(path.read_text().replace("sequence: {", "sequence: {parallel: 2, "))
+    for gpus in ("1", "3"):
+        code, _, err = run(capsys, *base, "--gpus", gpus, "--max-seq", "--gpu-mem", "1GiB")
+        assert code == 2 and "sequence.parallel (2) must divide the world size" in one_error(
+            err, "estimate"
+        )
+    path.write_text(
+        "model: {n_layer: 2, n_head: 2, n_embd: 64, block_size: 256}\n"
+        "data: {document_mask: true, tokenizer: bytes}\n"
+    )
+    code, _, err = run(capsys, *base, "--gpus", "1")
+    assert code == 2 and "byte tokenizer has none" in one_error(err, "estimate")
+
+
+# ------------------------------------------------------------------ MISLEADING 1
+def test_estimate_disk_bytes_on_a_cpu_are_the_engines(tmp_path, capsys):
+    """The optimizer on NVMe on a CPU: the engine streams the gradient shards through the
+    disk too; `estimate --device cpu` counts them (the engine's tier_bytes for this run,
+    measured with `zerotrain train`: 714,240 B read and written per step; both tiers:
+    1,285,632 read, 714,240 written)."""
+    import json
+
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 64}\n"
+        "data: {micro_batch_size: 2, grad_accum_steps: 2}\n"
+    )
+    for param, read, written in (("none", 714240, 714240), ("nvme", 1285632, 714240)):
+        code, out, err = run(
+            capsys,
+            "estimate",
+            "--model",
+            str(path),
+            "--gpus",
+            "1",
+            "--precision",
+            "fp32",
+            "--device",
+            "cpu",
+            "--offload-param",
+            param,
+            "--offload-optimizer",
+            "nvme",
+            "--json",
+        )
+        assert code == 0, err
+        disk = json.loads(out)["rows"][0]["tier_traffic"]["disk"]
+        assert disk == {"read": read, "written": written}, param
+
+
+# ------------------------------------------------------------------ MISLEADING 7
+def test_a_damaged_swap_file_is_named_not_blamed_on_the_lr(tmp_path, capsys, monkeypatch):
+    """The optimizer's swap file overwritten mid-run (as a failing disk or another process
+    would): the run stops with one line that names the file."""
+    import zerotrain.run.loop as loop
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    real = loop.train_step
+    damaged = []
+
+    def step_then_damage(run):
+        out = real(run)
+        if run.engine.global_step == 2:
+            for tier in run.engine.strategy.moving_tiers():
+                size = tier.file.stat().st_size
+                tier.file.write_bytes(b"\xff" * size)  # NaN in every float
+                damaged.append(str(tier.file))
+        return out
+
+    monkeypatch.setattr(loop, "train_step", step_then_damage)
+    argv = [*TIERED[:-4], "--zero.offload_optimizer", "nvme", "--train.steps", "4"]
+    code, _, err = run(
+        capsys,
+        "train",
+        *argv,
+        "--zero.nvme_path",
+        str(tmp_path / "swap"),
+        "--data.path",
+        str(corpus),
+        "--logging.eval_every",
+        "0",
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+    )
+    line = one_error(err, "train")
+    assert (
+        code == 2
+        and damaged
+        and "suspect the offload swap file rather than the learning rate" in line
+        and damaged[0] in line
+    ), line
+
+
+# ------------------------------------------------------------------ MISLEADING 4
+def test_a_converted_checkpoint_of_another_model_is_described_by_its_parameters(tmp_path, capsys):
+    assert (
+        run(
+            capsys,
+            "convert",
+            "--from-deepspeed",
+            str(DS / "ds_ckpt_stage2"),
+            "--out",
+            str(tmp_path / "conv"),
+        )[0]
+        == 0
+    )
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 300)
+    code, _, err = run(
+        capsys,
+        "train",
+        "--model.n_layer",
+        "2",
+        "--model.n_embd",
+        "32",
+        "--model.n_head",
+        "2",
+        "--model.block_size",
+        "16",
+        "--data.path",
+        str(corpus),
+        "--resume",
+        str(tmp_path / "conv"),
+        "--logging.run_dir",
+        str(tmp_path / "r"),
+        "--train.steps",
+        "2",
+        "--schedule.warmup_steps",
+        "0",
+    )
+    line = one_error(err, "train")
+    assert code == 2 and "not built from a model: section" in line
+    assert "fc1.weight [32, 16]" in line and "model.n_layer" not in line, line
+
+
+# ------------------------------------------------------------------ MISLEADING 8
+def test_gathered_parameters_with_a_rank_outside_the_job_is_refused():
+    engine = mlp_engine(32)
+    params = list(engine.module.parameters())
+    with (
+        pytest.raises(ValueError, match=r"modifier_rank=5\): the job has 1 rank\(s\), 0 to 0"),
+        deepspeed.zero.GatheredParameters(params, modifier_rank=5),
+    ):
+        pass
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+        pass
+
+
+# ------------------------------------------------------------------ MISLEADING 5 / 9
+def test_a_rank_whose_peer_died_ends_without_a_traceback():
+    import subprocess
+    import sys
+
+    code = (
+        "from zerotrain.comm.launch import quiet_when_peer_gone; quiet_when_peer_gone(); "
+        "raise RuntimeError('[pair.cc:553] Connection closed by peer [127.0.0.1]:2')"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"},
+    )
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == (
+        "-c: rank 0 of 2 stopped: another rank closed its connection "
+        "(that rank's own error is the cause)"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code.replace("Connection closed by peer", "a bug")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" in other.stderr  # the script's own errors print as always
+
+
+def test_sigterm_to_the_launcher_says_nothing_was_saved():
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "from zerotrain.comm.launch import launch_local; import sys; "
+        "sys.exit(launch_local(2, [], module='stuck_rank'))"
+    )
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = p.stderr.read()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("zerotrain: stopped by SIGTERM; this stop saved no checkpoint")
+    ), err
+
+
+def test_launch_hints_name_the_problem(tmp_path, capsys):
+    code, _, err = run(capsys, "launch", "--nproc", "2")
+    assert code == 2 and "give the training script to run" in one_error(err, "launch")
+    code, _, err = run(capsys, "launch", str(tmp_path))
+    assert code == 2 and f"script '{tmp_path}' is a directory" in one_error(err, "launch")
+
+
+def test_a_bad_deepspeed_config_file_is_named_and_a_malicious_pickle_names_its_global(tmp_path):
+    from zerotrain.config import ConfigError
+    from zerotrain.deepspeed.checkpoint import read
+
+    bad = tmp_path / "ds.json"
+    bad.write_text(
+        '{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 7},'
+        ' "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}'
+    )
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=re.escape(f"DeepSpeed config '{bad}': 1 setting")):
+        deepspeed.initialize(model=net, model_parameters=net.parameters(), config=str(bad))
+
+    ran = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {ran}",)
+
+    torch.save({"module": {}, "x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(
+        CheckpointError,
+        match=r"posix\.system is not on the allow-list \(its "
+        r"module is blocked\); nothing in it ran",
+    ):
+        read(tmp_path / "evil.pt")
+    (tmp_path / "noise.pt").write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(CheckpointError, match="the file is damaged or not a DeepSpeed"):
+        read(tmp_path / "noise.pt")
+    assert not ran.exists()
+
+
+# ------------------------------------------------------------------ MISLEADING 10
+def test_the_step_phase_prediction_shows_its_own_peak_beside_the_high_water_mark():
+    """On a CPU the step phase was printed as backward's high-water mark only (733 MiB)
+    while the step measured 99 MiB (memory returned by host_mmap_mb): the line shows the
+    step's own peak too."""
+    from zerotrain.config import build_config
+    from zerotrain.memory import phase_estimates
+    from zerotrain.models import build_model, plan_for
+    from zerotrain.run.report import phase_text
+    from zerotrain.zero import run_shape, strategy_class
+
+    cfg = build_config(
+        {
+            "model": {"n_layer": 2, "n_embd": 256, "n_head": 4, "block_size": 64},
+            "zero": {"stage": 3},
+        }
+    )
+    model = build_model(cfg.model, device="meta")
+    shape = run_shape(strategy_class(cfg.zero), cfg, model, plan_for(model), "cpu", 2)
+    acts = 600 * 2**20
+    high, own = (
+        phase_estimates(shape, acts),
+        phase_estimates(dataclasses.replace(shape, high_water=False), acts),
+    )
+    assert high["step"] == high["backward"] and own["step"] < own["backward"] - acts
+    mib = 2**20
+    ph = {
+        "measured": {"backward": 700 * mib, "step": 99 * mib},
+        "predicted": {k: high[k] for k in ("backward", "step")},
+        "predicted_low": {k: own[k] for k in ("backward", "step")},
+    }
+    line = phase_text(ph, True, cpu=True)
+    assert f"step 99.0 / {own['step'] / mib:.1f}–{high['step'] / mib:.1f}" in line, line
+    assert "the phase's own peak if freed memory returns to the OS" in line

@@ -279,13 +279,14 @@ def test_activation_prediction_matches_measured_peaks(family, ckpt, tile, one_th
 
 
 def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
-    """--max-seq: the answer fits and one token more does not; tiling and checkpointing
+    """--max-seq: the answer's predicted peak per rank (the one the table prints: states,
+    activations, transients) fits and one token more does not; tiling and checkpointing
     each lengthen it; offload (on CUDA) lengthens it further and says what the host holds."""
     import json
 
     from zerotrain.cli.estimate import main_estimate
+    from zerotrain.cli.estimate_peaks import peak_at, predict_peaks
     from zerotrain.config import load_config
-    from zerotrain.memory import config_activations, estimate
 
     path = tmp_path / "run.yaml"
     path.write_text("model: {arch: llama, n_layer: 8, n_head: 2, n_embd: 128, "
@@ -302,12 +303,10 @@ def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
     rep = longest()
     row = rep["rows"][0]
     n = row["max_seq"]
-    fixed = row["device_total"] - row["activations"]  # model states + gathered unit
-    assert fixed + config_activations(cfg, 1, n, device="cuda").peak <= 2**30
-    assert fixed + config_activations(cfg, 1, n + 1, device="cuda").peak > 2**30
-    states = estimate(rep["psi"], 2, 3, precision="fp32",
-                      largest_unit=rep["largest_unit"]).device_total
-    assert fixed == states
+    peak = peak_at(cfg, 2, 3, device="cuda", micro_batch=1)
+    assert peak(n) <= 2**30 < peak(n + 1) and row["max_seq_peak_bytes"] == peak(n)
+    at_n = predict_peaks(cfg, 2, 3, device="cuda", micro_batch=1, seq=n)
+    assert max(at_n["init"], at_n["steady"]) == peak(n)
     tiled = longest("--tile-tokens", "512")["rows"][0]["max_seq"]
     both = longest("--tile-tokens", "512", "--activation-checkpointing")["rows"][0]["max_seq"]
     off = longest("--tile-tokens", "512", "--activation-checkpointing", "offload")["rows"][0]
@@ -315,11 +314,10 @@ def test_estimate_max_seq_is_the_inverse(tmp_path, capsys):
     # sequence.parallel 2: each rank takes T/2 tokens, so the answer is a multiple of 2 —
     # it fits and the next multiple does not — and it is longer than without SP
     path.write_text(path.read_text() + "sequence: {parallel: 2}\n")
-    sp_cfg = load_config(str(path))
+    sp_peak = peak_at(load_config(str(path)), 2, 3, device="cuda", micro_batch=1)
     m = longest()["rows"][0]["max_seq"]
     assert m % 2 == 0 and m > n
-    assert fixed + config_activations(sp_cfg, 1, m, device="cuda").peak <= 2**30
-    assert fixed + config_activations(sp_cfg, 1, m + 2, device="cuda").peak > 2**30
+    assert sp_peak(m) <= 2**30 < sp_peak(m + 2)
 
 
 class _Recording:

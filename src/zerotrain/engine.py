@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -384,16 +384,16 @@ class Engine(DeepSpeedAPI):
         return rep
 
     def memory_phases(self, activations: int = 0) -> dict[str, dict[str, int]]:
-        """Peak memory of each phase seen so far, above the process's memory before the
-        engine existed, next to the memory model's prediction: `memory.phase_estimates`
-        of `zero.run_shape`, the code path `zerotrain estimate` takes.
-        `activations`: the model's saved activations, when the caller can count them."""
+        """Each phase's peak so far above the memory before the engine, beside the
+        prediction of `zero.run_shape` (as `zerotrain estimate`; on a CPU the high-water
+        mark and each phase's own); `activations`: the saved ones, if the caller knows."""
         shape = run_shape(self.strategy.kind, self.config, self.module, self.plan,
                           self.device.type, self.world_size)
-        predicted = phase_estimates(shape, activations)
-        base = self.phases.baseline
-        measured = {k: v - base for k, v in self.phases.peaks.items()}
-        return {"measured": measured, "predicted": {k: predicted[k] for k in measured}}
+        high, low = (phase_estimates(replace(shape, high_water=h), activations)
+                     for h in (shape.high_water, False))
+        measured = {k: v - self.phases.baseline for k, v in self.phases.peaks.items()}
+        return {"measured": measured, "predicted": {k: high[k] for k in measured},
+                "predicted_low": {k: low[k] for k in measured}}
 
     def close(self) -> None:
         self.strategy.close()

@@ -20,6 +20,7 @@ from zerotrain.cli.args import (
     plot_path,
     size_help,
 )
+from zerotrain.cli.estimate_peaks import peak_at, predict_peaks
 from zerotrain.cli.estimate_rows import (
     ROWS,
     TIER_ROWS,
@@ -29,7 +30,6 @@ from zerotrain.cli.estimate_rows import (
     select_rows,
 )
 from zerotrain.memory import (
-    CPU_BASELINE_BYTES,
     FIELDS,
     PRECISIONS,
     MemoryEstimate,
@@ -38,9 +38,7 @@ from zerotrain.memory import (
     max_params,
     max_seq,
     node_traffic,
-    phase_estimates,
     shape_traffic,
-    steady_peak,
     tier_traffic,
 )
 from zerotrain.optim import state_bytes_per_param
@@ -139,6 +137,8 @@ def _resolve(args: argparse.Namespace) -> dict:
     if args.gpus < 1:
         raise UsageError(f"--gpus must be >= 1, got {args.gpus}")
     cfg = _load_model_config(args)
+    if cfg is not None:
+        _check_layout(cfg, args.gpus)
 
     def pick(flag, from_cfg, default):
         return flag if flag is not None else (from_cfg() if cfg is not None else default)
@@ -152,6 +152,7 @@ def _resolve(args: argparse.Namespace) -> dict:
         "activations": 0, "largest_unit": 0,
         "offload_prefetch": pick(args.offload_prefetch, lambda: cfg.zero.offload_prefetch, 1),
         "micro_steps": pick(args.grad_accum, lambda: cfg.data.grad_accum_steps, 1),
+        "device": args.device,  # --model resolves it below when not given
     }
     if not 0 <= s["offload_prefetch"] <= 8 or s["micro_steps"] < 1:
         raise UsageError(f"--offload-prefetch must be 0-8 and --grad-accum >= 1; got "
@@ -172,6 +173,24 @@ def _resolve(args: argparse.Namespace) -> dict:
         s["muon_matrix_fraction"] = _matrix_fraction(cfg) if cfg is not None else 1.0
     s.update(_limits(args))
     return s
+
+
+def _check_layout(cfg: Config, gpus: int) -> None:
+    """The layouts `zerotrain train` refuses are refused here too, in its words (not
+    estimated as if they ran)."""
+    from zerotrain.config import ConfigError, check_sequence_parallel
+
+    try:
+        check_sequence_parallel(cfg.sequence.parallel, gpus)
+    except ConfigError as e:
+        raise UsageError(f"{e} (--gpus is the world size)") from None
+    d = cfg.data
+    if d.document_mask and d.eos_token_id is None and d.tokenizer == "bytes" \
+            and cfg.model.hf is None:
+        raise UsageError("data.document_mask needs the token that ends a document, and the "
+                         "byte tokenizer has none: use data.tokenizer bpe:N or a Hugging "
+                         "Face tokenizer, set data.eos_token_id, or set data.document_mask "
+                         "false")
 
 
 def _matrix_fraction(cfg: Config) -> float:
@@ -273,18 +292,19 @@ def _largest(s: dict, row: Row) -> dict:
 
 
 def _longest(s: dict, row: Row) -> dict:
-    """The longest sequence whose activations fit beside this row's model states in
-    --gpu-mem (the inverse of the activation model, like --max-params for Ψ)."""
-    def at(seq: int) -> MemoryEstimate:
-        acts = config_activations(s["config"], s["micro_batch"], seq, device=s["device"])
-        return row_estimate({**s, "activations": acts.peak}, row)[0]
-
-    longest = max_seq(lambda seq: _fits(s, at(seq))[0] is not False,
+    """The longest sequence whose predicted peak per rank (`predict_peaks`: model states,
+    activations, the runtime and the allocator's terms, as the table below shows it) fits
+    in --gpu-mem (the inverse of the activation model, like --max-params for Ψ)."""
+    peak = peak_at(s["config"], s["world_size"], row.stage, row.offload_optimizer,
+                   device=s["device"], micro_batch=s["micro_batch"],
+                   offload_param=row.offload_param)
+    longest = max_seq(lambda seq: peak(seq) <= s["gpu_mem"],
                       multiple=s["config"].sequence.parallel)
-    host = at(longest).host_total if longest else 0
     acts = config_activations(s["config"], s["micro_batch"], longest, device=s["device"]) \
         if longest else None
+    host = row_estimate({**s, "activations": acts.peak}, row)[0].host_total if acts else 0
     return {"max_seq": longest, "max_seq_tokens": longest * s["micro_batch"],
+            "max_seq_peak_bytes": peak(longest) if longest else 0,
             "max_seq_activation_host_bytes": acts.host if acts else 0,
             "max_seq_host_bytes": host}
 
@@ -335,40 +355,11 @@ def _report(s: dict, rows: list[Row], args: argparse.Namespace) -> dict:
                                        row.offload_optimizer, device=s["device"],
                                        micro_batch=s["micro_batch"], seq=s["seq"],
                                        offload_param=row.offload_param)
+            if s["gpu_mem"] is not None:  # the peak the run reaches, not the states alone
+                r["fits"] = max(r["peaks"]["init"], r["peaks"]["steady"]) <= s["gpu_mem"]
         out["rows"].append(r)
     out.pop("config", None)
     return out
-
-
-def predict_peaks(cfg: Config, world: int, stage: int, offload: bool | str = False, *,
-                  device: str = "cpu", micro_batch: int | None = None,
-                  seq: int | None = None, offload_param: str = "none") -> dict[str, Any]:
-    """A run of `cfg` at this stage, per rank: each phase's bytes above the process's
-    baseline (`memory.phase_estimates`, fed with the flat buffers the engine cuts, by the
-    engine's own functions) and the init and steady peaks including the baseline.
-    `offload`: the optimizer's tier (True: cpu); `offload_param`: the parameters'.
-
-    device "cpu": resident memory as the OS counts it (the CPU runtime's baseline,
-    allocator retention, a high-water mark); "cuda": what the allocator counts.
-    bench/capacity.py holds these numbers against measured runs.
-    """
-    from zerotrain.models import build_model, plan_for
-    from zerotrain.zero import run_shape, strategy_class
-
-    opt = offload if isinstance(offload, str) else "cpu" if offload else "none"
-    cfg = cfg.model_copy(update={"zero": cfg.zero.model_copy(update={
-        "stage": stage, "offload_optimizer": opt, "offload_param": offload_param})})
-    model = build_model(cfg.model, device="meta")
-    shape = run_shape(strategy_class(cfg.zero), cfg, model, plan_for(model), device, world)
-    act = config_activations(cfg, micro_batch, seq, device=device).peak
-    phases = phase_estimates(shape, act)
-    cpu = device == "cpu"
-    compiled = shape.runtime > 0
-    numels = list(shape.buffer_numels)
-    base = CPU_BASELINE_BYTES if cpu else 0
-    return {"phases": phases, "baseline": base, "init": base + phases["init"],
-            "steady": base + steady_peak(phases), "device": device,
-            "optimizer_compiled": compiled, "buffer_numels": numels}
 
 
 @command("estimate")

@@ -132,8 +132,12 @@ def select_rows(args: argparse.Namespace, optimizer: str) -> tuple[list[Row], di
 
 
 def row_shape(s: dict, row: Row, psi: int | None = None) -> RunShape:
-    """The row's shape: Ψ in one flat buffer, the row's declarations, the run's sizes."""
-    offloads, disk = declared_offloads(row.offload_optimizer, row.offload_param)
+    """The row's shape: Ψ in one flat buffer, the row's declarations, the run's sizes.
+    On a CPU device (--device cpu, or --model resolved to it) host memory is the
+    device: the tiers are laid out as a CPU-only run lays them out (the gradient shard
+    of an optimizer on disk goes to the disk too, as the engine's tier_bytes count)."""
+    offloads, disk = declared_offloads(row.offload_optimizer, row.offload_param,
+                                       host_is_device=s.get("device") == "cpu")
     z = s["config"].zero if "config" in s and row.stage == 3 else None  # ZeRO++ at stage 3
     return RunShape((s["psi"] if psi is None else psi,), s["world_size"],
                     BytesPerParam(**s["bytes_per_param"]), STAGE_SHARDS[row.stage],

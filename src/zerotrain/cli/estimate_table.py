@@ -125,6 +125,9 @@ def _notes(rep: dict, unit: tuple[str, int]) -> list[str]:
                      "rest; stages 1-3 add two all-to-alls (grads to owners, updates back)")
     lines.append("sent = bytes each rank sends in collectives per step (ring);"
                  " transient gradient buckets are not counted in memory")
+    if rep["rows"] and rep["rows"][0].get("peaks") and rep.get("gpu_mem") is not None:
+        lines.append("fits = the predicted peak per rank (below: runtime, transients and "
+                     "allocator included) within the device limit, not TOTAL alone")
     if rep.get("left_out"):
         why = next(iter(rep["left_out"].values()))
         lines.append(f"not shown: {', '.join(rep['left_out'])}, which zerotrain train refuses "
@@ -183,11 +186,12 @@ def _tier_traffic_lines(rep: dict, unit: tuple[str, int], lw: int) -> list[str]:
 def _longest_lines(rep: dict) -> list[str]:
     binary = rep["unit"] == "GiB"
     lines = ["", f"longest sequence that fits in {_limit(rep['gpu_mem'], binary)} per device "
-                 f"(micro-batch {rep['micro_batch']}; model states as configured):"]
+                 f"(micro-batch {rep['micro_batch']}; the predicted peak per rank below: "
+                 "model states, activations, runtime and allocator):"]
     for r in rep["rows"]:
         n = r["max_seq"]
         lines.append(f"  {r['label']:<{_label_width(rep) - 1}} " + (f"{n:,} tokens" if n else
-                                                 "nothing fits (model states exceed the limit)"))
+                     "nothing fits (the peak at the shortest length exceeds the limit)"))
     return lines
 
 

@@ -34,7 +34,16 @@ def _parser() -> Parser:
 
 @command("launch")
 def main_launch(argv: list[str]) -> int:
-    a = _parser().parse_args(argv)
+    try:
+        a = _parser().parse_args(argv)
+    except UsageError as e:
+        if "required: script.py" not in str(e):
+            raise
+        raise UsageError("give the training script to run: zerotrain launch [--nproc N] "
+                         "script.py [ARGS ...]") from None
+    if Path(a.script).is_dir():
+        raise UsageError(f"script '{a.script}' is a directory: give the training script in it "
+                         "(zerotrain launch [--nproc N] script.py [ARGS ...])")
     if not Path(a.script).is_file():
         raise UsageError(f"script '{a.script}' does not exist")
     if a.nproc is None:

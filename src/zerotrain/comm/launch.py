@@ -23,6 +23,7 @@ What the launcher adds:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -264,6 +265,33 @@ def interrupted_status(errors: Path) -> int:
     return EXIT_INTERRUPTED if (errors / SAVED_MARKER).exists() else EXIT_NOT_SAVED
 
 
+def not_saved_line(signum: int) -> str:
+    """The launcher's line for a stop that saved nothing (during start-up, before the
+    first step ended, or ranks of a script that saves nothing on a signal)."""
+    what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    return (f"zerotrain: stopped by {what}; this stop saved no checkpoint (it came before "
+            "the ranks could save one, or the script saves none on a signal): the last "
+            "complete checkpoint, if any, is where to continue")
+
+
+def quiet_when_peer_gone() -> None:
+    """In a rank of `zerotrain launch`: an exception that only says another rank went
+    away (gloo's "Connection reset by peer" after a kill) ends the rank without a
+    traceback — the launcher names the rank that failed; other exceptions print as
+    always."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if peer_gone(exc):
+            code = torn_down(Path(sys.argv[0]).name or "script", exc)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)  # not the exit handlers: their barriers would wait on the dead
+        previous(kind, exc, tb)
+    sys.excepthook = hook
+
+
 def _quiet_torchrun() -> None:
     """torchrun's log lines (one per signal, restart or failed rank: "E1201 ... failed
     (exitcode: 2)") would bury ours; its loggers take their level from LOGLEVEL when
@@ -307,8 +335,11 @@ def launch_local(nproc: int, argv: list[str], module: str | None = "zerotrain",
                   "saving; --resume continues from the last complete checkpoint",
                   file=sys.stderr, flush=True)
             return 128 + e.signum
-        except SignalException:  # Ctrl-C / SIGTERM: the ranks were told to save and stop
-            return interrupted_status(Path(errors))
+        except SignalException as e:  # Ctrl-C / SIGTERM: the ranks were told to save and stop
+            status = interrupted_status(Path(errors))
+            if status == EXIT_NOT_SAVED:  # say so: the stop's only line must not promise one
+                print(not_saved_line(int(e.sigval)), file=sys.stderr, flush=True)
+            return status
         finally:
             os.environ.pop(ERROR_DIR, None)
     return 0

@@ -105,7 +105,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
     _refuse(mpu, model, mesh_param)
-    ds, _ = read_deepspeed(_config_source(args, config, config_params))
+    ds, label = read_deepspeed(_config_source(args, config, config_params))
     if ds and not looks_like_deepspeed(ds):
         raise ValueError("zerotrain.deepspeed.initialize takes a DeepSpeed config; for a "
                          "zerotrain config use zerotrain.initialize(model, config)")
@@ -120,7 +120,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             print("[zerotrain.deepspeed] the config's `optimizer` block is not used: the "
                   "client optimizer is, as in DeepSpeed", flush=True)
         ds = {k: v for k, v in ds.items() if k != "optimizer"}
-    cfg = load_deepspeed_config(ds, world()[1], overrides)
+    cfg = load_deepspeed_config(ds, world()[1], overrides, label)
     engine = DeepSpeedEngine(model, cfg, ds, optimizer, model_parameters, lr_scheduler,
                              collate_fn)
     loader = None

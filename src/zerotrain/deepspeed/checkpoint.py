@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -95,12 +96,24 @@ def read(path: Path) -> Any:
         with torch.serialization.safe_globals(ALLOWED):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = next((ln.split("error: ", 1)[-1].split(" was not")[0] for ln in lines
-                    if "Unsupported global" in ln), lines[0] if lines else type(e).__name__)
-        first = f"{why} is not on the allow-list" if "Unsupported global" in why else why
         raise CheckpointError(f"'{path}' cannot be read safely (weights_only=True with "
-                              f"DeepSpeed's allow-list): {first}") from None
+                              f"DeepSpeed's allow-list): {_refusal(e)}") from None
+
+
+def _refusal(e: Exception) -> str:
+    """torch's weights_only refusal in a few words: the global it refused (its code never
+    ran), or the damage it met — not its advice to load with weights_only=False."""
+    text = str(e)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        blocked = " (its module is blocked)" if "is blocked" in text else ""
+        return f"{found.group(1)} is not on the allow-list{blocked}; nothing in it ran"
+    boiler = ("Weights only load failed", "Please file an issue", "Check the documentation",
+              "In PyTorch 2.6")
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and not ln.strip().startswith(boiler)]
+    what = lines[0] if lines else type(e).__name__
+    return f"{what}: the file is damaged or not a DeepSpeed checkpoint file"
 
 
 def check_shapes(saved: dict[str, torch.Size], mine: dict[str, torch.Size],

@@ -23,7 +23,9 @@ def open_group(backend: str = "auto", seconds: int = 1800) -> None:
     if dist.is_initialized() or not launched_by_torchrun():
         return
     if os.environ.get("ZEROTRAIN_LAUNCHER_PID"):  # started by `zerotrain launch`
+        from zerotrain.comm.launch import quiet_when_peer_gone
         from zerotrain.run.lifecycle import die_with_parent
 
         die_with_parent()
+        quiet_when_peer_gone()  # a peer's death: the launcher's line, not a traceback
     OPENED = init_distributed("auto", backend, seconds).owns_group

@@ -220,6 +220,11 @@ def _on_host(params: list[Tensor], modifier_rank: int | None) -> Iterator[None]:
 def GatheredParameters(params: Any, modifier_rank: int | None = None,
                        fwd_module: Any = None, enabled: bool = True) -> Iterator[None]:
     """The parameters whole inside the block (see the module docstring)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if modifier_rank is not None and not 0 <= modifier_rank < world:
+        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): the job has "
+                         f"{world} rank(s), 0 to {world - 1}; name one of them (or None: "
+                         "read only)")
     plist = _as_list(params)
     if not enabled or not plist:
         yield

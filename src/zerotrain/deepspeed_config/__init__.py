@@ -82,7 +82,8 @@ def _world(world_size: int | None) -> int:
 
 
 def map_deepspeed(ds: dict[str, Any] | str | Path, world_size: int | None = None,
-                  overrides: dict[str, Any] | list[str] | None = None) -> DeepSpeedMapping:
+                  overrides: dict[str, Any] | list[str] | None = None,
+                  label: str | None = None) -> DeepSpeedMapping:
     """Map a DeepSpeed config; raise one ConfigError listing every key zerotrain cannot honour.
 
     world_size: the number of ranks (default: $WORLD_SIZE, else 1), needed when
@@ -90,7 +91,8 @@ def map_deepspeed(ds: dict[str, Any] | str | Path, world_size: int | None = None
     (a nested dict, or ['--section.key', 'value', ...]) that win over the mapping and
     resolve "auto" values.
     """
-    data, label = read_deepspeed(ds)
+    data, read_label = read_deepspeed(ds)
+    label = label or read_label  # a dict read from a file elsewhere keeps the file's name
     extra = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
     world = _world(world_size)
     r = Reader(data, extra)
@@ -123,9 +125,11 @@ def from_deepspeed(ds: dict[str, Any] | str | Path, world_size: int | None = Non
 
 
 def load_deepspeed_config(ds: dict[str, Any] | str | Path, world_size: int | None = None,
-                          overrides: dict[str, Any] | list[str] | None = None) -> Config:
-    """from_deepspeed, validated: the Config `zerotrain train --deepspeed ds.json` runs."""
-    m = map_deepspeed(ds, world_size, overrides)
+                          overrides: dict[str, Any] | list[str] | None = None,
+                          label: str | None = None) -> Config:
+    """from_deepspeed, validated: the Config `zerotrain train --deepspeed ds.json` runs.
+    `label`: how messages name a dict `ds` (the file it was read from)."""
+    m = map_deepspeed(ds, world_size, overrides, label)
     try:
         return build_config(m.config)
     except ConfigError as e:

@@ -248,7 +248,14 @@ def phase_text(ph: dict, activations_modelled: bool, cpu: bool) -> str:
     left_out = ["activations"] if not activations_modelled else []
     left_out.append("the runtime's own memory (tens of MiB on a CPU)" if cpu
                     else "memory outside the allocator")
+    low = ph.get("predicted_low") or predicted
+
+    def pred(k: str) -> str:  # a range where freed memory may or may not stay (CPU)
+        lo, hi = low[k] / mib, predicted[k] / mib
+        return f"{hi:.1f}" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}–{hi:.1f}"
+    ranged = any(f"{low[k] / mib:.1f}" != f"{predicted[k] / mib:.1f}" for k in measured)
+    how = ("; a range: the phase's own peak if freed memory returns to the OS, else the "
+           "high-water mark of the phases before" if ranged else "")
     return (f"{head} (measured / predicted; the prediction counts tensors, not "
-            f"{' or '.join(left_out)}): "
-            + ", ".join(f"{k} {v / mib:.1f} / {predicted[k] / mib:.1f}"
-                        for k, v in measured.items()))
+            f"{' or '.join(left_out)}{how}): "
+            + ", ".join(f"{k} {v / mib:.1f} / {pred(k)}" for k, v in measured.items()))

@@ -137,7 +137,16 @@ class RunFit:
         check_optimizer(meta, self.optimizer, self.reset)
 
     def shape_differences(self, meta: dict[str, Any]) -> list[str]:
-        """'model.n_embd 32 (this run: 64)' for each shape setting that differs."""
+        """'model.n_embd 32 (this run: 64)' for each shape setting that differs. A
+        checkpoint whose model was not built from its config's `model:` section (a
+        `zerotrain.initialize` script's module, a converted DeepSpeed checkpoint) is
+        described by its saved parameters instead: its `model:` values are defaults."""
+        if not (meta.get("extra") or {}).get("built_from_config"):
+            params = [f"{name} {list(shape)}" for u in meta.get("layout", {}).get("units", [])
+                      for name, shape, *_ in u.get("params", [])]
+            return [f"{NOT_FROM_CONFIG} (a script's module or a converted DeepSpeed "
+                    f"checkpoint; its parameters: {', '.join(params[:3])}"
+                    + (" ...)" if len(params) > 3 else ")")] if params else []
         saved = meta.get("config", {})
 
         def diff(keys: tuple[str, ...]) -> list[str]:
@@ -177,6 +186,9 @@ def loadable_fallback(src: Path, bad: Path | None, fit: RunFit | None = None) ->
     return None
 
 
+NOT_FROM_CONFIG = "not built from a model: section"
+
+
 def explain_failed_load(src: Path, error: CheckpointError,
                         fit: RunFit | None = None) -> CheckpointError:
     """The load error, plus the way out: an older checkpoint that does load into this
@@ -195,7 +207,11 @@ def explain_failed_load(src: Path, error: CheckpointError,
             diffs = fit.shape_differences(read_meta(bad))
         except (CheckpointError, AttributeError):
             diffs = []
-        if diffs:
+        if diffs and diffs[0].startswith(NOT_FROM_CONFIG):
+            hint = (f"; the checkpoint's model was {diffs[0]}: load it where that module "
+                    "is built (zerotrain.deepspeed or zerotrain.initialize in the script), "
+                    "or start a new run in another --logging.run_dir")
+        elif diffs:
             hint = (f"; the checkpoint's model: {', '.join(diffs[:4])}: resume with its "
                     "settings, or start a new run in another --logging.run_dir")
     return CheckpointError(f"{error}{hint}")

@@ -120,8 +120,7 @@ class Run:
         eng = self.engine
         if not eng.strategy.weights_finite():
             raise Diverged(f"the weights are not finite at step {eng.global_step}; not "
-                           f"saving them. Lower optimizer.lr (or use precision.dtype bf16) "
-                           f"and {self._earlier()}")
+                           f"saving them. {self._causes()} and {self._earlier()}")
         if val_loss is not None:
             loss_ok = math.isfinite(val_loss)
         elif loss_ok is None:
@@ -130,8 +129,7 @@ class Run:
             what = ("the training loss is not finite" if val_loss is None
                     else f"the validation loss is {val_loss}")
             raise Diverged(f"training diverged: {what} at step {eng.global_step}, so these "
-                           "weights were not saved. Lower optimizer.lr (or use precision."
-                           f"dtype bf16) and {self._earlier()}")
+                           f"weights were not saved. {self._causes()} and {self._earlier()}")
         try:
             return eng.save_checkpoint(self.ckpt_root)
         except Exception as e:  # safetensors' SafetensorError is no OSError
@@ -149,6 +147,20 @@ class Run:
         if self.dist.world_size > 1:
             flag = float(self.engine.comm.all_reduce_scalars([flag], op="max")[0])
         return flag == 0
+
+    def _causes(self) -> str:
+        """What to change: the learning rate — or, with states in ZeRO-Infinity's swap
+        files, those files, which nothing checks (a process or a failing disk that
+        changes them under the run shows up as non-finite weights the next step)."""
+        tiers = getattr(self.engine.strategy, "moving_tiers", list)()
+        files = [str(f) for t in tiers if (f := getattr(t, "file", None)) is not None]
+        lr = "Lower optimizer.lr (or use precision.dtype bf16)"
+        if not files:
+            return lr
+        return (f"If the loss was steady before, suspect the offload swap file rather than "
+                f"the learning rate: this rank's {', '.join(files)} (zero.nvme_path; its "
+                f"contents are not checksummed) may have been changed or damaged under the "
+                f"run — check the disk; else {lr[0].lower()}{lr[1:]}")
 
     def _earlier(self) -> str:
         done = complete_checkpoints(self.ckpt_root) if self.ckpt_root.is_dir() else []
@@ -359,7 +371,10 @@ def global_batch_change(meta: dict, cfg: Config, dp: int) -> list[str]:
     mb, acc = cfg.data.micro_batch_size, cfg.data.grad_accum_steps
     new = mb * acc * dp
     if new == old:
-        return []
+        return [] if old_dp == dp else [
+            f"[zerotrain] the global batch is kept: {new} sequences per step (micro-batch "
+            f"{mb} × accumulation {acc} × {dp} data-parallel rank(s); the checkpoint's run "
+            f"had {old_dp} rank(s))"]
     fixes = []
     if old % (mb * dp) == 0:
         fixes.append(f"--data.grad_accum_steps {old // (mb * dp)}")
