@@ -116,7 +116,8 @@ def _ring_all_reduce_bytes(numel: int, n: int, r: int) -> tuple[int, int]:
 
 
 def _entry(calls: int, sent: float, recv: float, how: str) -> dict:
-    return {"calls": calls, "sent_bytes": int(sent), "recv_bytes": int(recv), "how": how}
+    return {"calls": calls, "sent_bytes": int(sent), "recv_bytes": int(recv), "how": how,
+            "inter_sent_bytes": 0, "inter_recv_bytes": 0}  # one node
 
 
 @pytest.mark.slow

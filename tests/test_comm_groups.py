@@ -180,7 +180,8 @@ def test_subgroup_bytes_equal_theory(world, algo):
     how = "observed" if algo == "ring" else "computed"
 
     def entry(moved: float) -> dict:
-        return {"calls": 1, "sent_bytes": int(moved), "recv_bytes": int(moved), "how": how}
+        return {"calls": 1, "sent_bytes": int(moved), "recv_bytes": int(moved), "how": how,
+                "inter_sent_bytes": 0, "inter_recv_bytes": 0}  # one node
 
     want = {"grads": {"all_reduce": entry(2 * f * buf), "reduce_scatter": entry(f * buf)},
             "params": {"all_gather": entry(f * buf)},

@@ -241,7 +241,8 @@ def _gathered_before_initialize_nccl_like() -> list:
         net.weight.fill_(1.0 if rank == 0 else 5.0)
         net.bias.fill_(2.0 if rank == 0 else 6.0)
     pending = zero.take_pending(net)
-    return [devices, {k: v.tolist() for k, v in pending.items()}]
+    return [devices, {k: (v.tolist() if v is not None else None, src)
+                      for k, (v, src) in pending.items()}]
 
 
 def test_gathered_parameters_before_initialize_broadcast_on_the_groups_device():
@@ -249,9 +250,41 @@ def test_gathered_parameters_before_initialize_broadcast_on_the_groups_device():
     ranks must go through the device the group's backend takes (NCCL: the GPU)."""
     from multirank import run_ranks
 
-    for devices, pending in run_ranks(_gathered_before_initialize_nccl_like, 2):
-        assert devices == ["meta", "meta"]
-        assert pending == {"weight": [[1.0] * 4] * 3, "bias": [2.0] * 3}
+    # the values stay with the modifier rank until initialize hands them out (sliced:
+    # docs/hf.md); nothing is broadcast before, so no CPU tensor meets the backend here
+    for rank, (devices, pending) in enumerate(run_ranks(_gathered_before_initialize_nccl_like,
+                                                        2)):
+        assert devices == []
+        assert pending == ({"weight": ([[1.0] * 4] * 3, 0), "bias": ([2.0] * 3, 0)} if rank == 0
+                           else {"weight": (None, 0), "bias": (None, 0)})
+
+
+def _hand_out_broadcast_device() -> list[str]:
+    import torch.distributed as dist
+
+    from zerotrain.deepspeed import pending
+
+    real, devices = dist.broadcast, []
+
+    def broadcast(tensor, src, group=None, async_op=False):  # a spy: where it is sent from
+        devices.append(tensor.device.type)
+
+    dist.broadcast = broadcast
+    pending.comm_device = lambda group=None: torch.device("meta")  # the backend's device
+    try:
+        pending._broadcast_one(torch.ones(3) if dist.get_rank() == 0 else None, 0,
+                               torch.empty(3))
+    finally:
+        dist.broadcast = real
+    return devices
+
+
+def test_initialize_hands_out_pending_values_from_the_groups_device():
+    """C-1 at initialize: the pending values go out from the group's device."""
+    from multirank import run_ranks
+
+    for devices in run_ranks(_hand_out_broadcast_device, 2, fresh=True):
+        assert devices == ["meta"]
 
 
 # ----------------------------------------------------------------------------- S-4
@@ -559,7 +592,8 @@ def _init_opens_the_group(port: int) -> list:
                                                             modifier_rank=0):
         net.weight.fill_(1.0 if rank == 0 else 5.0)
         net.bias.fill_(2.0 if rank == 0 else 6.0)
-    return [opened, {k: v.tolist() for k, v in zero.take_pending(net).items()}]
+    return [opened, {k: (v.tolist() if v is not None else None, src)
+                      for k, (v, src) in zero.take_pending(net).items()}]
 
 
 def test_zero_init_opens_the_group_as_deepspeeds_does():
@@ -567,9 +601,11 @@ def test_zero_init_opens_the_group_as_deepspeeds_does():
     rank kept its own values (silently). zero.Init opens it, as DeepSpeed's does."""
     from multirank import free_port, run_ranks
 
-    for opened, pending in run_ranks(_init_opens_the_group, 2, free_port(), timeout=120):
-        assert opened
-        assert pending == {"weight": [[1.0, 1.0]] * 2, "bias": [2.0, 2.0]}
+    for rank, (opened, pending) in enumerate(run_ranks(_init_opens_the_group, 2, free_port(),
+                                                       timeout=120)):
+        assert opened  # so the modifier rank is one rank of a group, not each its own
+        assert pending == ({"weight": ([[1.0, 1.0]] * 2, 0), "bias": ([2.0, 2.0], 0)}
+                           if rank == 0 else {"weight": (None, 0), "bias": (None, 0)})
 
 
 # ----------------------------------------------------------------------------- S-5

@@ -233,7 +233,7 @@ def test_measured_phases_match_the_prediction(stage, monkeypatch):
     backward: +18..+55 MiB over three runs), which is allocator noise, not the model's
     terms; fixed, three runs agree within 1 MiB."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # the spawned rank's
-    (res,) = run_ranks(_measure, 1, stage)
+    (res,) = run_ranks(_measure, 1, stage, fresh=True)
     m, p = res["measured"], res["predicted"]
     for phase in ("init", "forward", "backward", "step"):
         assert abs(m[phase] - p[phase]) <= tolerance(p[phase]), \

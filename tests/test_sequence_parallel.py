@@ -366,7 +366,7 @@ def test_activation_prediction_sp2_matches_measured_peaks():
     from test_long_sequence import HF_EST
     from zerotrain.memory import activation_parts
 
-    results = run_ranks(sp_peaks, 2, SP_CASES)
+    results = run_ranks(sp_peaks, 2, SP_CASES, fresh=True)
     for i, (family, ckpt, tile) in enumerate(SP_CASES):
         cfg, _ = _sp_model(family, ckpt, tile)
         for j, seq in enumerate(SP_SEQS):

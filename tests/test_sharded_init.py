@@ -101,7 +101,7 @@ def test_zero3_init_peak_is_the_shard_plus_one_parameter(monkeypatch):
     its slice, so neither the model nor a whole unit ever exists on a rank. (glibc's mmap
     threshold fixed, as in test_memory_phases: no heap retention noise in the ranks.)"""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
-    for r in run_ranks(_init_peak, 2):
+    for r in run_ranks(_init_peak, 2, fresh=True):
         assert r["params"] > 45e6 and r["largest"] + OVERHEAD < r["unit"]  # a real test
         assert r["init"] <= r["shard"] + r["largest"] + OVERHEAD, \
             (r["init"] / 2**20, r["shard"] / 2**20, r["largest"] / 2**20)

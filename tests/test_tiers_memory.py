@@ -85,7 +85,7 @@ def test_tier_rows_predict_the_measured_peaks(case, tmp_path, monkeypatch):
     model, zero, at_once = CASES[case]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # the spawned ranks'
     zero = {**zero, "nvme_path": str(tmp_path / "swap")}
-    for res in run_ranks(_measure, 2, model, zero, at_once):
+    for res in run_ranks(_measure, 2, model, zero, at_once, fresh=True):
         m, p = res["measured"], res["predicted"]
         got = {"init": (m["init"], p["init"]), "steady": (steady_peak(m), steady_peak(p))}
         for what, (meas, pred) in got.items():

@@ -46,6 +46,8 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str = "") -> None:
             raise ConfigError(f"unknown config key '{dotted}'{hint}")
         ann = _section(fields[key].annotation) or fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if value is None and fields[key].default is None:  # an optional section, off
+                continue
             if not isinstance(value, dict):
                 raise ConfigError(
                     f"config key '{dotted}' is a section; give it as a mapping of "

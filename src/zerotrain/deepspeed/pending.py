@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zerotrain.comm.dist import comm_device
+
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -49,10 +51,13 @@ def hand_out(engine: Any, pending: dict[str, tuple[Tensor | None, int]], whole: 
 
 def _broadcast_one(value: Tensor | None, src: int, like: Tensor) -> Tensor:
     """`value` (held by rank `src`) on every rank, as fp32: exact for any loaded dtype,
-    and the same size on every rank even where the module was cast since (a bf16 run)."""
+    and the same size on every rank even where the module was cast since (a bf16 run).
+    Sent from the device the group's backend takes (NCCL has no CPU tensors: C-1)."""
     if _world() == 1:
         assert value is not None
         return value
-    buf = value.float() if value is not None else torch.empty(like.shape, dtype=torch.float32)
+    dev = comm_device()
+    buf = (value.float().to(dev) if value is not None
+           else torch.empty(like.shape, dtype=torch.float32, device=dev))
     dist.broadcast(buf, src=src)
     return buf
