@@ -4,6 +4,7 @@ Kahan compensation or stochastic rounding — numerics, ranks, resume, bad input
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
 
@@ -270,3 +271,28 @@ def test_bad_settings_are_one_clear_error() -> None:
 def test_plain_sgd_with_int8_runs() -> None:
     eng = _engine({"optimizer": {"name": "sgd", "state_dtype": "int8", "lr": 0.1}}, 2)
     assert all(not st for st in eng.optimizer.state.values())  # no state at all
+
+
+# ----------------------------------------------------------------------------- estimator
+
+
+def test_estimate_counts_compact_bytes(capsys: pytest.CaptureFixture) -> None:
+    from zerotrain.cli.estimate import main_estimate
+
+    def run(*flags: str) -> dict:
+        assert main_estimate(["--params", "1B", "--gpus", "4", "--gpu-mem", "8GB",
+                              "--max-params", "--stage", "3", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    fp32 = run()
+    small = run("--state-dtype", "int8", "--master-dtype", "bf16")
+    assert small["bytes_per_param"] == {"params": 2, "grads": 2, "master": 0,
+                                        "optimizer": 2 + 8 / 256, "comp": 2}
+    row = small["rows"][0]
+    assert row["device"]["optimizer"] == math.ceil(1e9 / 4 * (2 + 8 / 256))
+    assert row["device"]["master"] == 1e9 / 4 * 2  # the compensation
+    # 16 → 8.03 bytes/param: about twice the parameters in the same memory
+    ratio = row["max_params"] / fp32["rows"][0]["max_params"]
+    assert 1.95 < ratio < 2.0
+    labels = {r["label"]: r["bytes_per_param"] for r in small["compact_rows"]}
+    assert labels["int8 states, bf16 master + stochastic"] == 6 + 8 / 256
