@@ -296,3 +296,17 @@ def test_estimate_counts_compact_bytes(capsys: pytest.CaptureFixture) -> None:
     assert 1.95 < ratio < 2.0
     labels = {r["label"]: r["bytes_per_param"] for r in small["compact_rows"]}
     assert labels["int8 states, bf16 master + stochastic"] == 6 + 8 / 256
+
+
+def test_deepspeed_low_precision_keys_map_to_compact_states() -> None:
+    from zerotrain.deepspeed_config import from_deepspeed
+
+    cfg = build_config(from_deepspeed({"train_micro_batch_size_per_gpu": 2, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True}}, world_size=1))
+    assert cfg.optimizer.state_dtype == "bf16"
+    assert (cfg.precision.master_dtype, cfg.precision.master_update) == ("bf16", "plain")
+    assert cfg.precision.grad_accum_dtype == "compute"
+    with pytest.raises(ValueError, match="needs bf16.enabled true"):
+        from_deepspeed({"train_micro_batch_size_per_gpu": 2,
+                        "bf16": {"enabled": False, "bf16_optimizer_states": True}}, world_size=1)
