@@ -280,14 +280,35 @@ def test_estimate_counts_compact_bytes(capsys: pytest.CaptureFixture) -> None:
     from zerotrain.cli.estimate import main_estimate
 
     def run(*flags: str) -> dict:
-        assert main_estimate(["--params", "1B", "--gpus", "4", "--gpu-mem", "8GB",
-                              "--max-params", "--stage", "3", "--json", *flags]) == 0
+        assert (
+            main_estimate(
+                [
+                    "--params",
+                    "1B",
+                    "--gpus",
+                    "4",
+                    "--gpu-mem",
+                    "8GB",
+                    "--max-params",
+                    "--stage",
+                    "3",
+                    "--json",
+                    *flags,
+                ]
+            )
+            == 0
+        )
         return json.loads(capsys.readouterr().out)
 
     fp32 = run()
     small = run("--state-dtype", "int8", "--master-dtype", "bf16")
-    assert small["bytes_per_param"] == {"params": 2, "grads": 2, "master": 0,
-                                        "optimizer": 2 + 8 / 256, "comp": 2}
+    assert small["bytes_per_param"] == {
+        "params": 2,
+        "grads": 2,
+        "master": 0,
+        "optimizer": 2 + 8 / 256,
+        "comp": 2,
+    }
     row = small["rows"][0]
     assert row["device"]["optimizer"] == math.ceil(1e9 / 4 * (2 + 8 / 256))
     assert row["device"]["master"] == 1e9 / 4 * 2  # the compensation
@@ -301,12 +322,27 @@ def test_estimate_counts_compact_bytes(capsys: pytest.CaptureFixture) -> None:
 def test_deepspeed_low_precision_keys_map_to_compact_states() -> None:
     from zerotrain.deepspeed_config import from_deepspeed
 
-    cfg = build_config(from_deepspeed({"train_micro_batch_size_per_gpu": 2, "bf16": {
-        "enabled": True, "bf16_master_weights_and_grads": True,
-        "bf16_optimizer_states": True}}, world_size=1))
+    cfg = build_config(
+        from_deepspeed(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {
+                    "enabled": True,
+                    "bf16_master_weights_and_grads": True,
+                    "bf16_optimizer_states": True,
+                },
+            },
+            world_size=1,
+        )
+    )
     assert cfg.optimizer.state_dtype == "bf16"
     assert (cfg.precision.master_dtype, cfg.precision.master_update) == ("bf16", "plain")
     assert cfg.precision.grad_accum_dtype == "compute"
-    with pytest.raises(ValueError, match="needs bf16.enabled true"):
-        from_deepspeed({"train_micro_batch_size_per_gpu": 2,
-                        "bf16": {"enabled": False, "bf16_optimizer_states": True}}, world_size=1)
+    with pytest.raises(ValueError, match=r"needs bf16\.enabled true"):
+        from_deepspeed(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {"enabled": False, "bf16_optimizer_states": True},
+            },
+            world_size=1,
+        )
