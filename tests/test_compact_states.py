@@ -7,6 +7,7 @@ import functools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -346,3 +347,27 @@ def test_deepspeed_low_precision_keys_map_to_compact_states() -> None:
             },
             world_size=1,
         )
+
+
+def test_nvme_tier_resumes_int8_and_kahan_bit_exact(tmp_path: Path) -> None:
+    """The NVMe tier streams codes, scales and compensation; a resume reads them back
+    in their own dtypes (not cast to the masters')."""
+    tier = {
+        "stage": 3,
+        "offload_optimizer": "nvme",
+        "offload_param": "nvme",
+        "nvme_path": str(tmp_path / "nvme"),
+        "nvme_block_mb": 0.0625,
+    }
+    over = {**KAHAN_INT8, "zero": tier}
+
+    def run(steps: int, **kw: Any) -> dict:
+        eng = _engine(over, steps, **kw)
+        out = full_params(eng)
+        eng.close()
+        return out
+
+    whole = run(4)
+    run(2, save=tmp_path / "ck")
+    resumed = run(2, start=2, load=tmp_path / "ck")
+    assert all(torch.equal(whole[k], v) for k, v in resumed.items())
