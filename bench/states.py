@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -183,13 +184,55 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--peers", action="store_true")
+    ap.add_argument("--opt-only", action="store_true", help="time the optimizer step "
+                    "alone on the main job's parameters (no training): quick")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "states.json"))
     return ap.parse_args()
+
+
+def opt_only(args: argparse.Namespace) -> None:
+    """Median optimizer-step time of each variant on the main job's parameter shapes
+    (gradients set once), the variants interleaved so that machine load hits them alike."""
+    from zerotrain.numerics.compact import Compact
+    from zerotrain.optim import AdamW
+
+    cfg = load_config(args.config)
+    torch.manual_seed(0)
+    shapes = [p.shape for p in GPT(cfg.model).parameters()]
+    specs = {"fp32 states": (Compact(), torch.float32),
+             "bf16 states": (Compact("bf16"), torch.float32),
+             "int8 states": (Compact("int8"), torch.float32),
+             "int8 + bf16 Kahan masters": (Compact("int8", "kahan"), torch.bfloat16),
+             "int8 + bf16 stochastic masters": (Compact("int8", "stochastic"), torch.bfloat16)}
+    opts = {}
+    for name, (spec, dtype) in specs.items():
+        ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape).to(dtype)
+        opts[name] = AdamW(ps, lr=1e-3)
+        opts[name].compact = spec
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for i in range(args.steps):
+        order = list(opts)[i % len(opts):] + list(opts)[:i % len(opts)]
+        for k in order:
+            t0 = time.perf_counter()
+            opts[k].step()
+            times[k].append(time.perf_counter() - t0)
+    ref = statistics.median(times["fp32 states"][2:])
+    n = sum(math.prod(s) for s in shapes)
+    print(f"optimizer step alone, {n:,} parameters, {args.steps} steps, {args.threads} threads")
+    print("| run | opt step ms | × fp32 states |\n|---|---|---|")
+    for k, ts in times.items():
+        ms = statistics.median(ts[2:])
+        print(f"| {k} | {1e3 * ms:.1f} | {ms / ref:.2f} |")
 
 
 def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
+    if args.opt_only:
+        opt_only(args)
+        return
     base = load_config(args.config)
     warm = round(base.schedule.warmup_steps * args.steps / base.train.steps)
     common = {"train": {"steps": args.steps, "device": "cpu"}, "zero": {"stage": 0},
