@@ -49,11 +49,14 @@ VARIANTS: dict[str, dict] = {
     "bf16 states": {"optimizer": {"state_dtype": "bf16"}},
     "int8 states": {"optimizer": {"state_dtype": "int8"}},
     "bf16 compute, fp32 master (ref)": {"precision": {"dtype": "bf16"}},
-    "int8 + bf16 Kahan masters": {"optimizer": {"state_dtype": "int8"},
-                                  "precision": {**BF16_MASTERS, "master_update": "kahan"}},
+    "int8 + bf16 Kahan masters": {
+        "optimizer": {"state_dtype": "int8"},
+        "precision": {**BF16_MASTERS, "master_update": "kahan"},
+    },
     "int8 + bf16 stochastic masters": {
         "optimizer": {"state_dtype": "int8"},
-        "precision": {**BF16_MASTERS, "master_update": "stochastic"}},
+        "precision": {**BF16_MASTERS, "master_update": "stochastic"},
+    },
 }
 
 
@@ -99,8 +102,11 @@ class Zt:
             k = view.numel()
             formula += 2 * (k * per_state if per_state else k + 4 * -(-k // 256))
             formula += 2 * k if pol.master_update == "kahan" else 0
-        master = sum(u.master.numel() * u.master.element_size() for u in eng.strategy.units
-                     if u.master.data_ptr() != u.params.data_ptr())
+        master = sum(
+            u.master.numel() * u.master.element_size()
+            for u in eng.strategy.units
+            if u.master.data_ptr() != u.params.data_ptr()
+        )
         return measured, formula + master, n
 
 
@@ -114,10 +120,16 @@ class Peer:
         plan = plan_for(self.model)
         named = list(self.model.named_parameters())
         o = cfg.optimizer
-        groups = [{"params": [p for n, p in named if plan.group_of(n) != Group.VECTOR],
-                   "weight_decay": o.weight_decay},
-                  {"params": [p for n, p in named if plan.group_of(n) == Group.VECTOR],
-                   "weight_decay": 0.0}]
+        groups = [
+            {
+                "params": [p for n, p in named if plan.group_of(n) != Group.VECTOR],
+                "weight_decay": o.weight_decay,
+            },
+            {
+                "params": [p for n, p in named if plan.group_of(n) == Group.VECTOR],
+                "weight_decay": 0.0,
+            },
+        ]
         self.opt = cls(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         self.opt_times: list[float] = []
 
@@ -150,17 +162,27 @@ class Peer:
                 return sum(nbytes(getattr(t, a)) for a in inner()[0])
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
-        total = sum(nbytes(v) for st in self.opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        total = sum(
+            nbytes(v)
+            for st in self.opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
         return total, None, sum(p.numel() for p in self.model.parameters())
 
 
 def peers(cfg: Any, init: dict) -> tuple[list[Peer], list[str]]:
     out, notes = [], []
-    for name, load in (("torchao AdamW8bit", lambda: __import__(
-            "torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit),
-                       ("bitsandbytes AdamW8bit", lambda: __import__(
-            "bitsandbytes.optim", fromlist=["AdamW8bit"]).AdamW8bit)):
+    for name, load in (
+        (
+            "torchao AdamW8bit",
+            lambda: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit,
+        ),
+        (
+            "bitsandbytes AdamW8bit",
+            lambda: __import__("bitsandbytes.optim", fromlist=["AdamW8bit"]).AdamW8bit,
+        ),
+    ):
         try:
             peer = Peer(name, load(), cfg, init)
             probe = GPT(cfg.model)  # one step on a copy: does the CPU path run?
@@ -184,8 +206,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--peers", action="store_true")
-    ap.add_argument("--opt-only", action="store_true", help="time the optimizer step "
-                    "alone on the main job's parameters (no training): quick")
+    ap.add_argument(
+        "--opt-only",
+        action="store_true",
+        help="time the optimizer step alone on the main job's parameters (no training): quick",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "states.json"))
     return ap.parse_args()
 
@@ -199,11 +224,13 @@ def opt_only(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     torch.manual_seed(0)
     shapes = [p.shape for p in GPT(cfg.model).parameters()]
-    specs = {"fp32 states": (Compact(), torch.float32),
-             "bf16 states": (Compact("bf16"), torch.float32),
-             "int8 states": (Compact("int8"), torch.float32),
-             "int8 + bf16 Kahan masters": (Compact("int8", "kahan"), torch.bfloat16),
-             "int8 + bf16 stochastic masters": (Compact("int8", "stochastic"), torch.bfloat16)}
+    specs = {
+        "fp32 states": (Compact(), torch.float32),
+        "bf16 states": (Compact("bf16"), torch.float32),
+        "int8 states": (Compact("int8"), torch.float32),
+        "int8 + bf16 Kahan masters": (Compact("int8", "kahan"), torch.bfloat16),
+        "int8 + bf16 stochastic masters": (Compact("int8", "stochastic"), torch.bfloat16),
+    }
     opts = {}
     for name, (spec, dtype) in specs.items():
         ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
@@ -213,7 +240,7 @@ def opt_only(args: argparse.Namespace) -> None:
         opts[name].compact = spec
     times: dict[str, list[float]] = {k: [] for k in opts}
     for i in range(args.steps):
-        order = list(opts)[i % len(opts):] + list(opts)[:i % len(opts)]
+        order = list(opts)[i % len(opts) :] + list(opts)[: i % len(opts)]
         for k in order:
             t0 = time.perf_counter()
             opts[k].step()
@@ -235,9 +262,13 @@ def main() -> None:
         return
     base = load_config(args.config)
     warm = round(base.schedule.warmup_steps * args.steps / base.train.steps)
-    common = {"train": {"steps": args.steps, "device": "cpu"}, "zero": {"stage": 0},
-              "data": {"micro_batch_size": args.batch}, "schedule": {"warmup_steps": warm},
-              "optimizer": {"compile": False}}
+    common = {
+        "train": {"steps": args.steps, "device": "cpu"},
+        "zero": {"stage": 0},
+        "data": {"micro_batch_size": args.batch},
+        "schedule": {"warmup_steps": warm},
+        "optimizer": {"compile": False},
+    }
     cfg = load_config(args.config, common)
     tokens = load_tokens(cfg.data.path)
     train, val = train_val_split(tokens, cfg.data.val_fraction)
@@ -265,33 +296,55 @@ def main() -> None:
     report(args, runs, evals, notes, time.perf_counter() - t0)
 
 
-def report(args: argparse.Namespace, runs: list, evals: list, notes: list[str],
-           wall: float) -> None:
+def report(
+    args: argparse.Namespace, runs: list, evals: list, notes: list[str], wall: float
+) -> None:
     rows = []
     for r in runs:
         measured, formula, n = r.state_bytes()
-        rows.append({"run": r.name, "final_val_loss": r.evaluate(evals),
-                     "bytes_per_param": measured / n,
-                     "formula_per_param": None if formula is None else formula / n,
-                     "opt_ms": 1e3 * statistics.median(r.opt_times[5:] or r.opt_times)})
+        rows.append(
+            {
+                "run": r.name,
+                "final_val_loss": r.evaluate(evals),
+                "bytes_per_param": measured / n,
+                "formula_per_param": None if formula is None else formula / n,
+                "opt_ms": 1e3 * statistics.median(r.opt_times[5:] or r.opt_times),
+            }
+        )
     ref = rows[0]
-    print(f"\n{args.steps} steps × {args.batch} × 128 tokens, {args.threads} threads, "
-          f"{wall:.0f} s in all\n")
-    print("| run | final val loss | vs fp32 states | master+optimizer B/param (measured) "
-          "| formula | opt step ms | × fp32 states |")
+    print(
+        f"\n{args.steps} steps × {args.batch} × 128 tokens, {args.threads} threads, "
+        f"{wall:.0f} s in all\n"
+    )
+    print(
+        "| run | final val loss | vs fp32 states | master+optimizer B/param (measured) "
+        "| formula | opt step ms | × fp32 states |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         f = row["formula_per_param"]
-        print(f"| {row['run']} | {row['final_val_loss']:.4f} | "
-              f"{100 * (row['final_val_loss'] / ref['final_val_loss'] - 1):+.2f}% | "
-              f"{row['bytes_per_param']:.4f} | {'-' if f is None else f'{f:.4f}'} | "
-              f"{row['opt_ms']:.1f} | {row['opt_ms'] / ref['opt_ms']:.2f} |")
+        print(
+            f"| {row['run']} | {row['final_val_loss']:.4f} | "
+            f"{100 * (row['final_val_loss'] / ref['final_val_loss'] - 1):+.2f}% | "
+            f"{row['bytes_per_param']:.4f} | {'-' if f is None else f'{f:.4f}'} | "
+            f"{row['opt_ms']:.1f} | {row['opt_ms'] / ref['opt_ms']:.2f} |"
+        )
     for n in notes:
         print(f"- {n}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"steps": args.steps, "batch": args.batch, "rows": rows,
-                               "notes": notes, "wall_s": wall}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "batch": args.batch,
+                "rows": rows,
+                "notes": notes,
+                "wall_s": wall,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":
