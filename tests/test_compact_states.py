@@ -4,8 +4,10 @@ Kahan compensation or stochastic rounding — numerics, ranks, resume, bad input
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -270,3 +272,102 @@ def test_bad_settings_are_one_clear_error() -> None:
 def test_plain_sgd_with_int8_runs() -> None:
     eng = _engine({"optimizer": {"name": "sgd", "state_dtype": "int8", "lr": 0.1}}, 2)
     assert all(not st for st in eng.optimizer.state.values())  # no state at all
+
+
+# ----------------------------------------------------------------------------- estimator
+
+
+def test_estimate_counts_compact_bytes(capsys: pytest.CaptureFixture) -> None:
+    from zerotrain.cli.estimate import main_estimate
+
+    def run(*flags: str) -> dict:
+        assert (
+            main_estimate(
+                [
+                    "--params",
+                    "1B",
+                    "--gpus",
+                    "4",
+                    "--gpu-mem",
+                    "8GB",
+                    "--max-params",
+                    "--stage",
+                    "3",
+                    "--json",
+                    *flags,
+                ]
+            )
+            == 0
+        )
+        return json.loads(capsys.readouterr().out)
+
+    fp32 = run()
+    small = run("--state-dtype", "int8", "--master-dtype", "bf16")
+    assert small["bytes_per_param"] == {
+        "params": 2,
+        "grads": 2,
+        "master": 0,
+        "optimizer": 2 + 8 / 256,
+        "comp": 2,
+    }
+    row = small["rows"][0]
+    assert row["device"]["optimizer"] == math.ceil(1e9 / 4 * (2 + 8 / 256))
+    assert row["device"]["master"] == 1e9 / 4 * 2  # the compensation
+    # 16 → 8.03 bytes/param: about twice the parameters in the same memory
+    ratio = row["max_params"] / fp32["rows"][0]["max_params"]
+    assert 1.95 < ratio < 2.0
+    labels = {r["label"]: r["bytes_per_param"] for r in small["compact_rows"]}
+    assert labels["int8 states, bf16 master + stochastic"] == 6 + 8 / 256
+
+
+def test_deepspeed_low_precision_keys_map_to_compact_states() -> None:
+    from zerotrain.deepspeed_config import from_deepspeed
+
+    cfg = build_config(
+        from_deepspeed(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {
+                    "enabled": True,
+                    "bf16_master_weights_and_grads": True,
+                    "bf16_optimizer_states": True,
+                },
+            },
+            world_size=1,
+        )
+    )
+    assert cfg.optimizer.state_dtype == "bf16"
+    assert (cfg.precision.master_dtype, cfg.precision.master_update) == ("bf16", "plain")
+    assert cfg.precision.grad_accum_dtype == "compute"
+    with pytest.raises(ValueError, match=r"needs bf16\.enabled true"):
+        from_deepspeed(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {"enabled": False, "bf16_optimizer_states": True},
+            },
+            world_size=1,
+        )
+
+
+def test_nvme_tier_resumes_int8_and_kahan_bit_exact(tmp_path: Path) -> None:
+    """The NVMe tier streams codes, scales and compensation; a resume reads them back
+    in their own dtypes (not cast to the masters')."""
+    tier = {
+        "stage": 3,
+        "offload_optimizer": "nvme",
+        "offload_param": "nvme",
+        "nvme_path": str(tmp_path / "nvme"),
+        "nvme_block_mb": 0.0625,
+    }
+    over = {**KAHAN_INT8, "zero": tier}
+
+    def run(steps: int, **kw: Any) -> dict:
+        eng = _engine(over, steps, **kw)
+        out = full_params(eng)
+        eng.close()
+        return out
+
+    whole = run(4)
+    run(2, save=tmp_path / "ck")
+    resumed = run(2, start=2, load=tmp_path / "ck")
+    assert all(torch.equal(whole[k], v) for k, v in resumed.items())

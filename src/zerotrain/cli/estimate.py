@@ -20,6 +20,7 @@ from zerotrain.cli.args import (
     plot_path,
     size_help,
 )
+from zerotrain.cli.estimate_compact import add_compact_flags, compact_rows, resolve_compact
 from zerotrain.cli.estimate_peaks import peak_at, predict_peaks
 from zerotrain.cli.estimate_rows import (
     ROWS,
@@ -33,7 +34,6 @@ from zerotrain.memory import (
     FIELDS,
     PRECISIONS,
     MemoryEstimate,
-    bytes_per_param,
     config_activations,
     max_params,
     max_seq,
@@ -41,7 +41,6 @@ from zerotrain.memory import (
     shape_traffic,
     tier_traffic,
 )
-from zerotrain.optim import state_bytes_per_param
 from zerotrain.zero.cut import model_size
 
 if TYPE_CHECKING:
@@ -76,6 +75,7 @@ def _build_parser() -> Parser:
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="show only this stage")
     p.add_argument("--offload", action="store_true", help="show only the offload rows")
     add_tier_flags(p)
+    add_compact_flags(p)
     p.add_argument("--largest-unit", metavar="N",
                    help="ZeRO-3 gather unit in elements (--params mode)")
     p.add_argument("--micro-batch", metavar="B", type=int,
@@ -157,12 +157,7 @@ def _resolve(args: argparse.Namespace) -> dict:
     if not 0 <= s["offload_prefetch"] <= 8 or s["micro_steps"] < 1:
         raise UsageError(f"--offload-prefetch must be 0-8 and --grad-accum >= 1; got "
                          f"{s['offload_prefetch']} and {s['micro_steps']}")
-    try:
-        k = state_bytes_per_param(s["optimizer"], s["momentum"])
-        s["bytes_per_param"] = asdict(bytes_per_param(s["precision"], k,
-                                                      grad_dtype=s["grad_dtype"]))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    resolve_compact(args, s, cfg)
     if cfg is not None:
         s.update(_model_settings(args, cfg, pick, s["precision"]))
     else:
@@ -376,6 +371,7 @@ def main_estimate(argv: list[str]) -> int:
                          "--offload-optimizer nvme or --tiers")
     rep = _report(s, rows, args)
     rep["left_out"] = refused
+    rep["compact_rows"] = compact_rows(s, rows[-1].stage if args.stage is None else args.stage)
     if plot is not None:
         try:
             plot_memory(rep, plot)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zerotrain.cli.estimate_compact import compact_lines
 from zerotrain.cli.units import pick_unit, table_unit, unit_words
 from zerotrain.memory import FIELDS
 
@@ -70,7 +71,8 @@ def _head(rep: dict, unit: tuple[str, int]) -> list[str]:
         f"zerotrain estimate: Ψ = {rep['psi']:,} params{active} on N = {rep['world_size']} "
         f"ranks, {rep['precision']} (grads {rep['grad_dtype']}), {rep['optimizer']}",
         "bytes/param: params {params}, grads {grads}, master {master}, optimizer {optimizer}"
-        .format(**bpp) + f"  (K = {bpp['master'] + bpp['optimizer']})",
+        .format(**bpp) + (f" (+{bpp['comp']} Kahan)" if bpp.get("comp") else "")
+        + f"  (K = {bpp['master'] + bpp.get('comp', 0) + bpp['optimizer']})",
         f"memory per rank in {unit_words(unit)}" + "".join(f"; {x}" for x in limits),
     ]
     if rep["activations"]:
@@ -251,6 +253,7 @@ def format_table(rep: dict) -> str:
         lines += _largest_lines(rep, unit)
     if rep["rows"] and "max_seq" in rep["rows"][0]:
         lines += _longest_lines(rep)
+    lines += compact_lines(rep, unit)
     return "\n".join(lines)
 
 

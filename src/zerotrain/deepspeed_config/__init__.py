@@ -105,6 +105,7 @@ def map_deepspeed(ds: dict[str, Any] | str | Path, world_size: int | None = None
     sched, peak, steps = map_scheduler(r, opt.get("lr", r.zt("optimizer.lr")))
     opt["lr"] = peak
     opt["grad_clip"] = r.get("gradient_clipping", 1.0, auto="optimizer.grad_clip")
+    opt.update(sections.compact_states(r, out))
     out["optimizer"] = opt
     if sched:
         out["schedule"] = sched

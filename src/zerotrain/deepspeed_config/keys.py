@@ -27,8 +27,6 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "bf16.immediate_grad_update": (False, _OFF),
     "bf16.check_grad_overflow": (True, "zerotrain always skips a step with non-finite "
                                        "gradients"),
-    "bf16.bf16_master_weights_and_grads": (False, "master weights are fp32"),
-    "bf16.bf16_optimizer_states": (False, "optimizer states are fp32"),
     _Z + "reduce_scatter": (True, "gradients are always reduce-scattered from stage 1"),
     _Z + "allgather_partitions": (True, _OFF),
     _Z + "load_from_fp32_weights": (True, "checkpoints always restore the fp32 masters"),

@@ -123,6 +123,34 @@ def precision(r: Reader, out: dict[str, Any]) -> str:
     return dtype
 
 
+def compact_states(r: Reader, out: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's low-precision masters and optimizer states (the bf16 section) as
+    precision.master_dtype / master_update and optimizer.state_dtype (returned: the
+    optimizer section's part)."""
+    bf = "bf16" if "bf16" in r.data or "bfloat16" not in r.data else "bfloat16"
+    masters = r.get(f"{bf}.bf16_master_weights_and_grads", False, bool)
+    states = r.get(f"{bf}.bf16_optimizer_states", False, bool)
+    prec = out["precision"]
+    if (masters or states) and prec["dtype"] != "bf16":
+        r.problem(f"{bf}.bf16_master_weights_and_grads" if masters
+                  else f"{bf}.bf16_optimizer_states", "needs bf16.enabled true")
+        return {}
+    if masters:
+        prec.update(master_dtype="bf16", master_update="plain")
+        explicit = "grad_accum_dtype" in (r.data.get("data_types") or {})
+        if not explicit:
+            prec["grad_accum_dtype"] = "compute"
+        r.notes.append(
+            f"{bf}.bf16_master_weights_and_grads: true -> precision.master_dtype bf16, "
+            "master_update plain (DeepSpeed rounds bf16 masters to nearest; kahan or "
+            "stochastic keep the small updates plain loses)"
+            + ("" if explicit else ", grad_accum_dtype compute"))
+    if states:
+        r.notes.append(f"{bf}.bf16_optimizer_states: true -> optimizer.state_dtype bf16 "
+                       "(int8 is zerotrain's further step)")
+    return {"state_dtype": "bf16"} if states else {}
+
+
 def zero(r: Reader, out: dict[str, Any], reduce_bytes: int) -> None:
     z = "zero_optimization"
     stage = r.get(f"{z}.stage", 0, int, auto="zero.stage")

@@ -100,11 +100,16 @@ def precision_bytes(precision: str, grad_dtype: str = "compute") -> tuple[int, i
     return 2, grad, 0 if precision == "bf16-pure" else 4
 
 
-def bytes_per_param(precision: str = "bf16", optim_bytes: int = 8, *,
-                    grad_dtype: str = "compute") -> BytesPerParam:
-    """`optim_bytes`: the optimizer's K (`zerotrain.optim.state_bytes_per_param`)."""
+def bytes_per_param(precision: str = "bf16", optim_bytes: float = 8, *,
+                    grad_dtype: str = "compute", master_dtype: str | None = None,
+                    master_update: str | None = None) -> BytesPerParam:
+    """`optim_bytes`: the optimizer's K (`zerotrain.optim.state_bytes_per_param`).
+    `master_dtype` bf16: the bf16 parameters are the masters (no copy), and Kahan
+    (`master_update`) adds a 2-byte compensation."""
     p, g, m = precision_bytes(precision, grad_dtype)
-    return BytesPerParam(p, g, m, optim_bytes)
+    if master_dtype == "bf16":
+        m = 0
+    return BytesPerParam(p, g, m, optim_bytes, comp=2 if master_update == "kahan" else 0)
 
 
 def activation_dtype_bytes(precision: str) -> int:

@@ -41,6 +41,7 @@ from zerotrain.config import ZeroConfig
 from zerotrain.config.zero_facts import STAGE_SHARDS
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.optim.compact import convert_state
 from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams, gather_range
 from zerotrain.zero.hpz import SecondaryPartition
@@ -323,6 +324,8 @@ class ZeRO3(ZeRO2):
         if not isinstance(up, Streamed):
             return
         self._optimizer = optimizer
+        compact = getattr(optimizer, "compact", None)  # compact states keep their dtypes
+        keep = compact is not None and compact.active
         for u in self.units:
             views = [v for seg, v in self.opt_segments if seg.unit == u.index]
             for view in views:
@@ -330,7 +333,10 @@ class ZeRO3(ZeRO2):
                 for name, v in list(st.items()):
                     if isinstance(v, Lazy):
                         t = v.load().to(device=view.device)
-                        st[name] = t.to(view.dtype) if view.is_floating_point() else t
+                        cast = view.is_floating_point() and not keep
+                        st[name] = t.to(view.dtype) if cast else t
+                if keep and st:
+                    convert_state(st, view, compact)
             up.placed_all()
             up.evict(u)
             up.settle(u)
