@@ -128,7 +128,7 @@ def test_estimate_and_config_show_resolve_model_hf_and_llama_bpe(tmp_path, capsy
     # columns: every row as wide as its header, every cell a number of the table's unit
     code, out, _ = run(capsys, "estimate", "--model", str(cfg), "--gpus", "2", "--device",
                        "cpu")
-    peak = out[out.index("predicted peak per rank"):].splitlines()
+    peak = out[out.index("predicted peak per rank"):].split("\n\n")[0].splitlines()
     assert peak[0].endswith(", MB:")
     assert all(len(row) == len(peak[1]) for row in peak[3:]) and len(peak) == 9
     for row in peak[3:]:
