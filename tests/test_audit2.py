@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from cli_run import one_error, run
 from zerotrain.checkpoint.state import config_changes
-from zerotrain.cli import main
 from zerotrain.config import ConfigError, build_config, load_config
 from zerotrain.data.dataset import BPE_RECORD, cached_shards, clear_caches, resolve_tokenizer
 from zerotrain.data.errors import DataError
@@ -43,18 +43,6 @@ def corpus(tmp_path: Path) -> Path:
     return p
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error(err: str, name: str) -> str:
-    assert "Traceback" not in err
-    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("[zerotrain]")]
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"zerotrain {name}: error: "), err
-    return lines[0]
 
 
 def train(capsys, run_dir: Path, data: Path, *extra: str) -> tuple[int, str, str]:

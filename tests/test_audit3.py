@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import zerotrain.deepspeed as deepspeed
+from cli_run import one_error, run
 from zerotrain.checkpoint.io import CheckpointError
-from zerotrain.cli import main
 
 DS = Path(__file__).resolve().parent / "data" / "ds_ckpt"
 
@@ -53,18 +53,6 @@ def copy(name: str, tmp_path: Path) -> Path:
     return out
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error(err: str, name: str) -> str:
-    assert "Traceback" not in err
-    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("[zerotrain]")]
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"zerotrain {name}: error: "), err
-    return lines[0]
 
 
 # ------------------------------------------------------------------ BROKEN 1
