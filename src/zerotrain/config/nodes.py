@@ -21,11 +21,19 @@ def node_problems(cfg: Any, world: int) -> list[str]:
                    f"the ranks per node, a divisor of {world}")
         node = world
     k = cfg.zero.secondary_partition
-    if k and (node % k or world % k):
-        out.append(f"zero.secondary_partition ({k}) must divide comm.node_size ({node}): "
-                   "hpZ keeps a copy per group of K ranks inside a node; use a divisor of "
-                   f"{node}")
+    problem = secondary_partition_problem(k, node, world) if k else None
+    if problem:
+        out.append(problem)
     return out
+
+
+def secondary_partition_problem(k: int, node: int, world: int) -> str | None:
+    """Why hpZ's groups of `k` ranks cannot be cut from nodes of `node` ranks, or None
+    (the launcher's check above and the strategy's own, zero/hpz.py)."""
+    if node % k or world % k:
+        return (f"zero.secondary_partition ({k}) must divide comm.node_size ({node}): hpZ "
+                f"keeps a copy per group of K ranks inside a node; use a divisor of {node}")
+    return None
 
 
 def check_nodes(cfg: Any, world: int) -> None:

@@ -18,16 +18,16 @@ from torch import Tensor
 
 from zerotrain.comm.collectives import Comm
 from zerotrain.config import ConfigError
+from zerotrain.config.nodes import secondary_partition_problem
 from zerotrain.zero.unit import ShardedUnit
 
 
 class SecondaryPartition:
     def __init__(self, comm: Comm, k: int):
         """Collective: every rank builds it (it makes the groups of K ranks)."""
-        if comm.node_size % k or comm.world_size % k:
-            raise ConfigError(f"zero.secondary_partition ({k}) must divide comm.node_size "
-                              f"({comm.node_size}): hpZ keeps a copy per group of K ranks "
-                              f"inside a node; use a divisor of {comm.node_size}")
+        problem = secondary_partition_problem(k, comm.node_size, comm.world_size)
+        if problem:
+            raise ConfigError(problem)
         self.k = k
         self.group = comm.split(k)
         self.copies: dict[int, Tensor] = {}
