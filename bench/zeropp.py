@@ -6,7 +6,11 @@ Prints a Markdown table, writes bench/results/zeropp.json and draws docs/zeropp.
 
 Each row is one `zerotrain train` run of the main job (configs/default.yaml, the
 embedded corpus) at ZeRO-3 on 4 gloo ranks cut into 2 emulated nodes of 2
-(`--comm.node_size 2`): plain, +hpZ (`zero.secondary_partition 2`), +qwZ
+(`--comm.node_size 2`), torch's native collectives (`comm.algorithm native`: under
+`auto` a large model's buckets take zerotrain's ring, whose bytes are counted by
+neighbour, and rank 0's neighbour is on its own node, so rank 0 alone would show almost
+no inter-node bytes; the main job's buckets are under the ring's threshold, so its runs
+are the same either way): plain, +hpZ (`zero.secondary_partition 2`), +qwZ
 (`zero.param_wire int8`), +qgZ (`zero.grad_wire int4`) and all three. The bytes are the
 comm layer's own counters of the last logged step on rank 0 (`bytes_sent`, and of them
 `inter_node_bytes_sent`: to ranks of the other node; native collectives are counted as
@@ -51,9 +55,16 @@ OPTIONS = {
 }
 MODELS = {
     "main": [],
+    # the preset fills only the size fields left null: configs/default.yaml sets them
     "llama-60m": [
         "--model.preset",
         "llama-60m",
+        "--model.n_layer",
+        "null",
+        "--model.n_head",
+        "null",
+        "--model.n_embd",
+        "null",
         "--model.block_size",
         "128",
         "--data.micro_batch_size",
@@ -76,6 +87,7 @@ def run(model: str, name: str, steps: int, out: Path) -> dict:
         sys.executable, "-m", "zerotrain", "train",
         "--config", str(ROOT / "configs" / "default.yaml"),
         "--nproc", "4", "--comm.node_size", "2", "--zero.stage", "3",
+        "--comm.algorithm", "native",
         "--train.steps", str(steps), "--logging.run_dir", str(where),
         "--logging.overwrite", "true", "--checkpoint.every", "0",
         "--schedule.warmup_steps", str(min(40, steps // 4)),
