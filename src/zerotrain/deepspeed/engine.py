@@ -41,6 +41,7 @@ from zerotrain.deepspeed.surface import HFSurface
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
+from zerotrain.optim.torch_rule import arithmetic_of
 
 _UNCAUGHT = False
 _previous_hook = sys.excepthook
@@ -107,6 +108,7 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
             config = config.model_copy(update={"optimizer": config.optimizer.model_copy(
                 update={"name": name})})
         self.uses_muon = name == "muon"
+        self.torch_rule = self._torch_rule(name, ds)
         plan = plan_for(model)
         src = self.param_source.param_groups
         where = group_index(model, src)
@@ -180,7 +182,21 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
         if self.uses_muon:  # None: Muon for the matrices; the rest on its AdamW fallback
             for gid, opts in out.items():
                 opts["use_muon"] = None if gid == 0 else False
+        if self.torch_rule:  # the arithmetic of the torch optimizer DeepSpeed would step
+            for gid, i in self.source_of.items():
+                out[gid]["arithmetic"] = arithmetic_of(src[i]) \
+                    if self.client_optimizer is not None else "torch"
         return out
+
+    def _torch_rule(self, name: str, ds: dict[str, Any]) -> bool:
+        """Whether DeepSpeed would step a torch.optim Adam/AdamW here — the client's, or
+        the config's with `torch_adam: true` — so zerotrain runs torch's arithmetic."""
+        if name not in ("adam", "adamw"):
+            return False
+        if self.client_optimizer is not None:
+            return True
+        params = (ds.get("optimizer") or {}).get("params") or {}
+        return params.get("torch_adam") is True
 
     def apply_lr(self) -> float:
         """Copy each user group's hyper-parameters (lr and, for a client optimizer, betas,
