@@ -38,6 +38,7 @@ from zerotrain.deepspeed.optim import (
     user_groups,
 )
 from zerotrain.deepspeed.surface import HFSurface
+from zerotrain.deepspeed.zero3_check import check_model, watch_first_forward
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
@@ -132,8 +133,19 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
 
             hand_out(self, pending, whole)
         self.mark_status()
+        check_model(self.strategy, model)  # parameters tied across ZeRO-3 units
+        self._watch_forward = True  # the first forward looks for reads outside a unit
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         zero.ENGINES.add(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._watch_forward:  # once: a model reading a block's weights outside it
+            self._watch_forward = False
+            mode = watch_first_forward(self.strategy, self.module)
+            if mode is not None:
+                with mode:
+                    return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _scheduler(self, client: Any, config: Config, ds: dict[str, Any]) -> Any:
         """The client lr_scheduler (object, or callable taking the optimizer), else the
