@@ -49,11 +49,8 @@ class MoEConfig(_Section):
                              f"({self.experts}); lower top_k or add experts")
         if self.experts % self.expert_parallel:
             raise ValueError(f"model.moe.expert_parallel ({self.expert_parallel}) must divide "
-                             f"model.moe.experts ({self.experts})")
-        if self.expert_parallel > 1:
-            raise ValueError(f"model.moe.expert_parallel {self.expert_parallel}: expert "
-                             "parallelism is not available yet; set model.moe.expert_parallel "
-                             "1 (experts are then sharded by ZeRO like every parameter)")
+                             f"model.moe.experts ({self.experts}): each rank of an EP group "
+                             "holds as many experts; use a divisor of the expert count")
         return self
 
 

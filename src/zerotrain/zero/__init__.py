@@ -18,6 +18,7 @@ from zerotrain.config import ZeroConfig
 from zerotrain.memory import can_offload
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.zero import experts
 from zerotrain.zero.base import Strategy
 from zerotrain.zero.build import build_units
 from zerotrain.zero.cut import run_shape
@@ -103,9 +104,11 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
         assert tiers is not None and tiers.opt is not None
         placement.tier, placement.depth = tiers.opt, cfg.offload_prefetch
     part = Partition.of(comm)
+    expert_part = experts.setup(model, comm)  # expert parallelism's groups, or None
     grads = placement.make_grads(cls, policy, cfg.in_flight(device.type))
     units = build_units(cls, model, plan, policy, part, cfg, device,
-                        InitValues(model, plan, skip=pretrained), placement, tiers)
+                        InitValues(model, plan, skip=pretrained), placement, tiers,
+                        expert_part)
     streamed = tiers is not None and tiers.opt is not None
     updater = Streamed if streamed else choose_updater(kind, elementwise, placement)
     extra = {"tiers": tiers} if tiers is not None else {}

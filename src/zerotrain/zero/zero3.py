@@ -101,7 +101,7 @@ class ZeRO3(ZeRO2):
         """Start `u`'s gather: for the backward from hpZ's node-local copy when it has
         one, otherwise across every rank through the wire."""
         via = self.hpz.via(u) if self.hpz is not None and not forward else None
-        u.unshard(self.comm, async_op=async_op, via=via)
+        u.unshard(u.part.comm, async_op=async_op, via=via)
 
     def gather(self, u: ShardedUnit, forward: bool) -> None:
         """Gather `u` now (its shard made ready from the tier first, released after),
@@ -207,7 +207,7 @@ class ZeRO3(ZeRO2):
             u.wire.note(u.shard)
         self.param_tier.written(u)
         if u.persistent:
-            self.enqueue(self.comm.all_gather(u.params, u.shard, async_op=True))
+            self.enqueue(u.part.comm.all_gather(u.params, u.shard, async_op=True))
 
     def after_publish(self) -> None:
         super().after_publish()
@@ -221,7 +221,7 @@ class ZeRO3(ZeRO2):
         units = self.units_of(params)
         for u in units:
             self.param_tier.ready(u)
-            u.unshard(self.comm, async_op=False, exact=True)
+            u.unshard(u.part.comm, async_op=False, exact=True)
             self.param_tier.release(u)
         try:
             yield

