@@ -132,3 +132,59 @@ def test_expert_parallel_equals_one_process():
                 assert sent == a2a_theory(counts, r, ep, 32), (stage, ep, key, r, step)
     # skewed: experts 2 and 3 got nothing, so their ranks received no pair
     assert all(row[2:] == [0.0, 0.0] for row in out[0][4]["counts"][0])
+
+
+def empty_rank_layer() -> dict:
+    """One MoE layer on 2 ranks, EP 2, rank 1 with no tokens at all: both finish, and
+    rank 0's output and gradients equal the whole layer's in one process."""
+    from zerotrain.comm.collectives import Comm
+    from zerotrain.config import build_config
+    from zerotrain.models.moe import MoE
+    from zerotrain.models.moe_parallel import attach
+
+    rank = torch.distributed.get_rank()
+    cfg = build_config({"model": {**MOE, "n_layer": 1, "n_head": 2, "n_embd": 32,
+                                  "moe": {**MOE["moe"], "expert_parallel": 2}}})
+    torch.manual_seed(0)
+    layer = MoE(cfg.model)
+    torch.manual_seed(1)
+    x = torch.randn(10, 32)
+    full = torch.randn(E, *layer.experts.gate_up.shape[1:]), torch.randn(
+        E, *layer.experts.down.shape[1:])
+    with torch.no_grad():
+        layer.experts.gate_up.copy_(full[0][rank * 2:rank * 2 + 2])
+        layer.experts.down.copy_(full[1][rank * 2:rank * 2 + 2])
+    comm = Comm("native", check_lockstep=True)
+    attach(layer.experts, comm)
+    x_in = (x if rank == 0 else x[:0]).clone().requires_grad_()
+    y = layer(x_in)
+    (y.square().sum()).backward()
+    res = {"y": y.detach(), "dx": x_in.grad, "router": layer.router.weight.grad.clone(),
+           "gate_up": layer.experts.gate_up.grad.clone(), "router_w": layer.router.weight,
+           "full": full, "x": x, "sent": comm.counter.snapshot()}
+    comm.close()
+    return res
+
+
+def test_rank_without_tokens_finishes_and_matches():
+    from zerotrain.config import build_config
+    from zerotrain.models.moe import MoE
+
+    r0, r1 = run_ranks(empty_rank_layer, 2)
+    assert r1["y"].shape == (0, 32)
+    cfg = build_config({"model": {**MOE, "n_layer": 1, "n_head": 2, "n_embd": 32}})
+    layer = MoE(cfg.model)
+    with torch.no_grad():
+        layer.router.weight.copy_(r0["router_w"])
+        layer.experts.gate_up.copy_(r0["full"][0])
+        layer.experts.down.copy_(r0["full"][1])
+    x = r0["x"].clone().requires_grad_()
+    y = layer(x)
+    y.square().sum().backward()
+    assert torch.allclose(r0["dx"], x.grad, atol=1e-5)
+    assert torch.allclose(r0["y"], y, atol=1e-6)
+    assert torch.allclose(r0["router"], layer.router.weight.grad, atol=1e-5)
+    got = torch.cat([r0["gate_up"], r1["gate_up"]])  # rank 1's experts: rank 0's tokens
+    assert torch.allclose(got, layer.experts.gate_up.grad, atol=1e-5)
+    for r in (r0, r1):  # counts; out and back; both again in backward
+        assert r["sent"]["experts"]["all_to_all"]["calls"] == 5
