@@ -188,3 +188,57 @@ def test_rank_without_tokens_finishes_and_matches():
     assert torch.allclose(got, layer.experts.gate_up.grad, atol=1e-5)
     for r in (r0, r1):  # counts; out and back; both again in backward
         assert r["sent"]["experts"]["all_to_all"]["calls"] == 5
+
+
+def resume(stage: int, ep: int, path: str, save: bool, **extra) -> dict:
+    """AdamW: two steps and a checkpoint (`save`), or that checkpoint loaded; then the
+    third step. Its parameters are the same whatever the EP degree, stage or world."""
+    from zerotrain.comm.dist import world
+
+    rank, n = world()
+    cfg = cfg_for(stage, ep, n, 3, opt="adamw", **extra)
+    eng = engine(cfg)
+    b = cfg.data.micro_batch_size
+    pool = list(batches(3))
+
+    def step(X, Y) -> None:
+        eng.backward(eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b]))
+        eng.step()
+
+    if save:
+        for X, Y in pool[:2]:
+            step(X, Y)
+        eng.save_checkpoint(path, tag="s2")
+    else:
+        eng.load_checkpoint(path, tag="s2")
+    step(*pool[2])
+    res = {"params": whole(eng), "resharded": bool(eng.last_load and eng.last_load.resharded)}
+    eng.close()
+    return res
+
+
+def resume_cases(cases: list[tuple]) -> list[dict]:
+    return [resume(*c[:4], **c[4]) for c in cases]
+
+
+def test_offload_bf16_and_checkpoints_across_ep_degrees(tmp_path):
+    a, b = str(tmp_path / "ep2"), str(tmp_path / "one")
+    cpu = {"zero": {"offload_optimizer": "cpu"}}
+    bf16 = {"precision": {"dtype": "bf16"}}
+    ref = resume(0, 1, b, True)  # one process: saves a checkpoint, steps on
+    cases = [(3, 2, a, True, cpu),    # EP 2, ZeRO-3 + Offload: saves, steps on
+             (2, 4, a, False, cpu),   # EP 4, ZeRO-2 + Offload: resumes EP 2's checkpoint
+             (1, 2, b, False, {})]    # EP 2 resumes one process's checkpoint
+    out = run_ranks(resume_cases, 4, cases)
+    bf = run_ranks(run_cases, 4, [(2, 2, bf16), (2, 1, bf16)])
+    for r in range(4):
+        for i in range(3):
+            err = rel_err(out[r][i]["params"], ref["params"])
+            assert err < 1e-4, f"case {cases[i][:2]}, rank {r}: {err:.2e}"
+        assert out[r][1]["resharded"]
+        # bf16: EP 2 follows EP 1 at ZeRO-2 (up to bf16's rounding of other sums)
+        assert abs(bf[r][0]["losses"][-1] - bf[r][1]["losses"][-1]) < 1e-2
+        assert rel_err(bf[r][0]["params"], bf[r][1]["params"]) < 1e-2
+    # EP 2's checkpoint in one process at EP 1: the experts reassembled from both slots
+    one = resume(1, 1, a, False)
+    assert rel_err(one["params"], ref["params"]) < 1e-4
