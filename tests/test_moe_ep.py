@@ -5,6 +5,7 @@ others idle, a rank whose experts get nothing), a rank with no tokens at all; th
 all-to-all's bytes equal the count from the routing; each rank holds 1/P of the experts;
 checkpoints resume at another EP degree; bad settings are one error each."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -242,3 +243,27 @@ def test_offload_bf16_and_checkpoints_across_ep_degrees(tmp_path):
     # EP 2's checkpoint in one process at EP 1: the experts reassembled from both slots
     one = resume(1, 1, a, False)
     assert rel_err(one["params"], ref["params"]) < 1e-4
+
+
+def test_bad_expert_parallel_settings_name_the_field():
+    from zerotrain.config import ConfigError, build_config
+    from zerotrain.config.nodes import check_nodes
+
+    def error(model: dict, extra: dict | None = None) -> str:
+        with pytest.raises((ConfigError, ValueError)) as e:
+            build_config({"model": model, **(extra or {})})
+        return str(e.value)
+
+    moe = {**MOE["moe"], "expert_parallel": 3}
+    assert "model.moe.expert_parallel (3) must divide model.moe.experts (4)" in error(
+        {**MOE, "moe": moe})
+    assert "model.moe.top_k (5) exceeds" in error({**MOE, "moe": {**MOE["moe"], "top_k": 5}})
+    two = {**MOE, "moe": {**MOE["moe"], "expert_parallel": 2}}
+    assert "sequence.parallel with model.moe.expert_parallel" in error(
+        two, {"sequence": {"parallel": 2}})
+    cfg = build_config({"model": two})
+    check_nodes(cfg, 4)  # fine
+    with pytest.raises(ConfigError, match=r"model.moe.expert_parallel \(2\) must divide the "
+                       r"world size \(3\)"):
+        check_nodes(cfg, 3)
+    assert "remove model.moe" in error({"hf": "gpt2", "moe": {"experts": 4}})
