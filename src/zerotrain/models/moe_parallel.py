@@ -107,3 +107,22 @@ def dispatch(experts: nn.Module, xs: Tensor, counts: Tensor) -> Tensor:
     ys = experts(got[order], recv_counts.sum(0).tolist())
     back = ys[torch.argsort(order)]
     return all_to_all_rows(comm, back, recv, send)
+
+
+def whole_numel(model: nn.Module) -> int:
+    """The whole model's parameter count from one rank's: its experts times P."""
+    mods = [m for m in model.modules() if getattr(m, "expert_parallel", 1) > 1]
+    extra = sum(p.numel() * (m.expert_parallel - 1) for m in mods for p in m.parameters())
+    return sum(p.numel() for p in model.parameters()) + extra
+
+
+def describe(model: nn.Module) -> str | None:
+    """The run's start line about expert parallelism, or None without it."""
+    mods = [m for m in model.modules() if getattr(m, "expert_parallel", 1) > 1]
+    if not mods:
+        return None
+    m = mods[0]
+    P, E = m.expert_parallel, m.total
+    return (f"expert parallel {P}: this rank holds experts {m.first}..{m.first + E // P - 1} "
+            f"of {E} in each of {len(mods)} layers; tokens reach them by all-to-all, "
+            f"expert states are sharded over the {P}-strided ranks holding the same experts")
