@@ -20,8 +20,8 @@ from zerotrain.cli.args import (
     plot_path,
     size_help,
 )
-from zerotrain.cli.estimate_ep import expert_shape, whole_model
 from zerotrain.cli.estimate_compact import add_compact_flags, compact_rows, resolve_compact
+from zerotrain.cli.estimate_ep import expert_shape, whole_model
 from zerotrain.cli.estimate_peaks import peak_at, predict_peaks
 from zerotrain.cli.estimate_rows import (
     ROWS,
@@ -364,8 +364,8 @@ def _report(s: dict, rows: list[Row], args: argparse.Namespace) -> dict:
     if ex is not None:
         act = 2 if s["precision"] in ("bf16", "fp16") else 4
         out["expert_parallel"] = expert_rows(
-            replace(ex, world=s["world_size"]), s["micro_batch"] * s["seq"], act, s["bytes_per_param"]["params"],
-            s["micro_steps"])
+            replace(ex, world=s["world_size"]), s["micro_batch"] * s["seq"], act,
+            s["bytes_per_param"]["params"], s["micro_steps"])
     return out
 
 

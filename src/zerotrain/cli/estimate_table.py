@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerotrain.memory.experts import expert_lines
 from zerotrain.cli.estimate_compact import compact_lines
 from zerotrain.cli.units import pick_unit, table_unit, unit_words
 from zerotrain.memory import FIELDS
+from zerotrain.memory.experts import expert_lines
 
 _W = 9  # column width
 _COLS = ["params", "grads", "master", "optim", "gathered", "activ", "TOTAL"]

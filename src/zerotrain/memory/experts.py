@@ -51,7 +51,7 @@ def expert_rows(s: ExpertShape, tokens: int, act_bytes: int, param_bytes: int,
 
 def expert_lines(r: dict) -> list[str]:
     """The estimate's lines about expert parallelism."""
-    P, W, D = r["parallel"], r["world"], r["edp"]
+    P, D = r["parallel"], r["edp"]
     return [
         f"expert parallel {P} (EP groups of {P} consecutive ranks, experts sharded over "
         f"the {D} ranks holding the same ones): experts {r['expert_params']:,} of "
