@@ -267,3 +267,54 @@ def test_bad_expert_parallel_settings_name_the_field():
                        r"world size \(3\)"):
         check_nodes(cfg, 3)
     assert "remove model.moe" in error({"hf": "gpt2", "moe": {"experts": 4}})
+
+
+def train_hf(folder: str, stage: int, ep: int, steps: int = 3) -> dict:
+    """A transformers Qwen3-MoE folder as `zerotrain train` builds it (meta device, weights
+    read by slice: each rank reads only its experts' rows), its experts swapped for
+    expert-parallel ones (models/hf_experts.py)."""
+    from zerotrain.comm.dist import world
+    from zerotrain.run.setup import build
+
+    rank, n = world()
+    moe = {"moe": {"expert_parallel": ep}} if ep > 1 else {}
+    cfg = make_config({"model": {"hf": folder, "n_layer": None, "n_head": None,
+                                 "n_embd": None, **moe}, "zero": {"stage": stage},
+                       "optimizer": {"name": "sgd", "lr": 0.05, "grad_clip": 0.0}}, n, steps)
+    eng = build(cfg, torch.device("cpu"))
+    b = cfg.data.micro_batch_size
+    losses, norms = [], []
+    for X, Y in batches(steps):
+        loss = eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b])
+        eng.backward(loss)
+        info = eng.step()
+        losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
+        norms.append(info.grad_norm)
+    experts = sum(p.numel() for m, p in eng.module.named_parameters() if ".experts." in m)
+    res = {"params": whole(eng), "losses": losses, "norms": norms, "expert_numel": experts}
+    eng.close()
+    return res
+
+
+def hf_cases(folder: str, cases: list[tuple]) -> list[dict]:
+    return [train_hf(folder, *c) for c in cases]
+
+
+def test_hf_qwen3_moe_expert_parallel_equals_one_process(tmp_path):
+    import transformers
+
+    torch.manual_seed(5)
+    conf = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                       moe_intermediate_size=16, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       num_experts=4, num_experts_per_tok=2, head_dim=8,
+                                       max_position_embeddings=16)
+    transformers.Qwen3MoeForCausalLM(conf).save_pretrained(tmp_path / "qwen")
+    folder = str(tmp_path / "qwen")
+    ref = train_hf(folder, 0, 1)
+    cases = [(3, 2), (1, 4)]
+    out = run_ranks(hf_cases, 4, folder, cases)
+    for r in range(4):
+        for i, (stage, ep) in enumerate(cases):
+            close(out[r][i], ref, f"HF Qwen3-MoE rank {r}, stage {stage}, EP {ep}")
+            assert out[r][i]["expert_numel"] * ep == ref["expert_numel"]

@@ -18,8 +18,8 @@ def whole_model(mc: ModelConfig) -> ModelConfig:
 def expert_shape(mc: ModelConfig, psi: int) -> ExpertShape | None:
     """The expert-parallel shape of a native MoE config (None without EP)."""
     c = resolve_model_config(mc)
-    if c.moe is None or c.moe.expert_parallel == 1:
-        return None
+    if c.moe is None or c.moe.expert_parallel == 1 or c.hf is not None:
+        return None  # (a model.hf MoE: the shape is in its config.json; not yet read here)
     assert c.n_embd and c.n_layer and c.intermediate_size
     per_layer = c.moe.experts * 3 * c.n_embd * c.intermediate_size
     return ExpertShape(psi, per_layer * c.n_layer, c.n_layer, c.moe.experts, c.moe.top_k,

@@ -141,9 +141,11 @@ class ModelConfig(_Section):
         if self.n_head and self.n_kv_head and self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_head ({self.n_head}) must be a multiple of "
                              f"model.n_kv_head ({self.n_kv_head})")
-        if self.moe is not None and self.hf is not None:
+        if self.moe is not None and self.hf is not None \
+                and self.moe.model_copy(update={"expert_parallel": 1}) != MoEConfig():
             raise ValueError("model.moe applies to model.arch llama; a model.hf folder's "
-                             "experts (if any) come from its config.json: remove model.moe")
+                             "experts (if any) come from its config.json: remove model.moe "
+                             "(only model.moe.expert_parallel applies to a model.hf MoE)")
         if self.moe is not None and self.bias:
             raise ValueError("model.moe's experts and router have no biases; remove "
                              "model.bias (or set it false)")

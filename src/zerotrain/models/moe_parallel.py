@@ -88,9 +88,10 @@ def group_of(experts: nn.Module) -> object:
     return g.comm
 
 
-def dispatch(experts: nn.Module, xs: Tensor, counts: Tensor) -> Tensor:
+def dispatch(experts: nn.Module, xs: Tensor, counts: Tensor, compute=None) -> Tensor:
     """The experts' outputs for pairs `xs` (sorted by global expert, `counts[e]` each),
-    computed on the experts' ranks (module doc); differentiable, same order as `xs`."""
+    computed on the experts' ranks (module doc) by `compute(rows, local_counts)` (default:
+    calling `experts`); differentiable, same order as `xs`."""
     comm = group_of(experts)
     P, L = comm.world_size, experts.total // experts.expert_parallel
     send_counts = counts.to(torch.int64).view(P, L).contiguous()
@@ -104,9 +105,17 @@ def dispatch(experts: nn.Module, xs: Tensor, counts: Tensor) -> Tensor:
     # arrived: by source rank, then local expert; the experts want expert-major
     seg = torch.repeat_interleave(torch.arange(P * L), recv_counts.reshape(-1))
     order = torch.argsort(seg % L, stable=True).to(xs.device)
-    ys = experts(got[order], recv_counts.sum(0).tolist())
+    ys = (compute or experts)(got[order], recv_counts.sum(0).tolist())
     back = ys[torch.argsort(order)]
     return all_to_all_rows(comm, back, recv, send)
+
+
+def whole_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """By parameter id: the whole layer's shape of every expert-parallel parameter (what a
+    weights file holds; this rank holds rows [first, first + E/P) of it)."""
+    return {id(p): (p.shape[0] * m.expert_parallel, *p.shape[1:])
+            for m in model.modules() if getattr(m, "expert_parallel", 1) > 1
+            for p in m.parameters(recurse=False)}
 
 
 def whole_numel(model: nn.Module) -> int:
