@@ -105,15 +105,15 @@ def run(ep: int, experts: int, steps: int, world: int = 4) -> dict:
 def table(rows: list[dict]) -> str:
     base = rows[0]
     lines = ["| run | step s | param MB/step | x ZeRO-3 | grad MB/step | all-to-all MB/step "
-             "| model states MB (rank 0) | expert params/rank |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model states MB (rank 0) | expert params/rank | peak RSS MB above start |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         name = "ZeRO-3" if r["ep"] == 1 else f"ZeRO-3 + EP {r['ep']}"
         lines.append(
             f"| {name} | {r['step_s']:.3f} | {r['param_bytes'] / 1e6:.2f} | "
             f"{r['param_bytes'] / base['param_bytes']:.3f} | {r['grad_bytes'] / 1e6:.2f} | "
             f"{r['a2a_bytes'] / 1e6:.2f} | {r['model_state_bytes'] / 1e6:.2f} | "
-            f"{r['rank_expert_params']:,} |")
+            f"{r['rank_expert_params']:,} | {r['peak_rss_above_start'] / 2**20:.0f} |")
     return "\n".join(lines)
 
 
