@@ -1,0 +1,142 @@
+"""Expert parallelism against plain ZeRO-3 on a MoE whose experts are most of the model.
+
+Run: PYTHONPATH=src .venv/bin/python bench/moe.py [--steps 6] [--experts 16]
+Prints a Markdown table and writes bench/results/moe.json.
+
+4 gloo ranks (CPU), the native llama MoE (`model.moe`, Qwen3-MoE's shape: top-2 of E
+SwiGLU experts per layer, experts >= 75% of the parameters), the same data on every
+row: ZeRO-3 (EP 1) vs ZeRO-3 + `model.moe.expert_parallel` 2 and 4. Per row, from rank
+0 over the steps after the first: median step time; parameter bytes sent per step (the
+comm layer's counter, purpose "params": ZeRO-3's all-gathers), gradient bytes
+("grads"), the experts' all-to-all bytes ("experts"); model-state bytes held by rank 0
+(the strategy's own audit) and its expert parameters' share; the peak RSS of rank 0
+above its start (the CPU stand-in for device memory). DeepSpeed ZeRO-3 is not run here
+(see docs/moe.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+
+
+def config(ep: int, experts: int, steps: int):
+    from zerotrain.config import build_config
+
+    return build_config({
+        "model": {"arch": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "n_embd": 128,
+                  "intermediate_size": 256, "block_size": 128, "vocab_size": 512,
+                  "moe": {"experts": experts, "top_k": 2, "expert_parallel": ep}},
+        "zero": {"stage": 3},
+        "optimizer": {"name": "adamw", "lr": 1e-3},
+        "data": {"micro_batch_size": 4},
+        "comm": {"algorithm": "native"},
+        "train": {"steps": steps, "device": "cpu", "threads": 1},
+    })
+
+
+def worker(rank: int, world: int, port: int, ep: int, experts: int, steps: int,
+           out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from zerotrain.engine import Engine
+    from zerotrain.models import build_model
+
+    cfg = config(ep, experts, steps)
+    torch.manual_seed(0)
+    start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    eng = Engine(build_model(cfg.model), cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(rank)
+    times, traffic = [], []
+    for _ in range(steps):
+        x = torch.randint(0, 512, (4, 128), generator=g)
+        t0 = time.perf_counter()
+        eng.backward(eng(x, x.roll(-1, 1)))
+        eng.step()
+        times.append(time.perf_counter() - t0)
+        traffic.append(eng.last_traffic)
+    mem = eng.strategy.memory_breakdown(eng.optimizer.state.values())
+    expert = sum(p.numel() for n, p in eng.module.named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in eng.module.parameters())
+    eng.close()
+    if rank == 0:
+        def sent(t: dict, purpose: str) -> int:
+            return sum(v["sent_bytes"] for v in t.get(purpose, {}).values())
+
+        later = traffic[1:] or traffic
+        row = {"ep": ep, "experts": experts, "world": world, "steps": steps,
+               "step_s": statistics.median(times[1:] or times),
+               "param_bytes": statistics.mean(sent(t, "params") for t in later),
+               "grad_bytes": statistics.mean(sent(t, "grads") for t in later),
+               "a2a_bytes": statistics.mean(sent(t, "experts") for t in later),
+               "model_state_bytes": sum(sum(v.values()) for v in mem.values()),
+               "rank_params": total, "rank_expert_params": expert,
+               "peak_rss_above_start": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+               * 1024 - start_rss}
+        Path(out).write_text(json.dumps(row))
+    dist.destroy_process_group()
+
+
+def run(ep: int, experts: int, steps: int, world: int = 4) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = HERE / "results" / f".moe-ep{ep}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mp.spawn(worker, (world, port, ep, experts, steps, str(out)), nprocs=world)
+    return json.loads(out.read_text())
+
+
+def table(rows: list[dict]) -> str:
+    base = rows[0]
+    lines = ["| run | step s | param MB/step | x ZeRO-3 | grad MB/step | all-to-all MB/step "
+             "| model states MB (rank 0) | expert params/rank | peak RSS MB above start |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        name = "ZeRO-3" if r["ep"] == 1 else f"ZeRO-3 + EP {r['ep']}"
+        lines.append(
+            f"| {name} | {r['step_s']:.3f} | {r['param_bytes'] / 1e6:.2f} | "
+            f"{r['param_bytes'] / base['param_bytes']:.3f} | {r['grad_bytes'] / 1e6:.2f} | "
+            f"{r['a2a_bytes'] / 1e6:.2f} | {r['model_state_bytes'] / 1e6:.2f} | "
+            f"{r['rank_expert_params']:,} | {r['peak_rss_above_start'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--experts", type=int, default=16)
+    args = ap.parse_args()
+    from zerotrain.models import build_model
+
+    cfg = config(1, args.experts, args.steps)
+    with torch.device("meta"):
+        m = build_model(cfg.model)
+    total = sum(p.numel() for p in m.parameters())
+    share = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n) / total
+    rows = [run(ep, args.experts, args.steps) for ep in (1, 2, 4)]
+    res = {"params": total, "expert_share": share, "rows": rows}
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "moe.json").write_text(json.dumps(res, indent=1))
+    print(f"{total:,} parameters, experts {share:.1%} of them; 4 gloo ranks, ZeRO-3")
+    print(table(rows))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
