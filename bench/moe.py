@@ -10,8 +10,9 @@ row: ZeRO-3 (EP 1) vs ZeRO-3 + `model.moe.expert_parallel` 2 and 4. Per row, fro
 comm layer's counter, purpose "params": ZeRO-3's all-gathers), gradient bytes
 ("grads"), the experts' all-to-all bytes ("experts"); model-state bytes held by rank 0
 (the strategy's own audit) and its expert parameters' share; the peak RSS of rank 0
-above its start (the CPU stand-in for device memory). DeepSpeed ZeRO-3 is not run here
-(see docs/moe.md).
+above its start (the CPU stand-in for device memory). With `--ds-python` (default: the
+repository's .venv-bench, when it exists) DeepSpeed ZeRO-3 trains the same model (EP 1)
+in a separate process (bench/moe_ds.py) and adds a row, its bytes counted the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import resource
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
 def config(ep: int, experts: int, steps: int):
@@ -102,6 +105,22 @@ def run(ep: int, experts: int, steps: int, world: int = 4) -> dict:
     return json.loads(out.read_text())
 
 
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def deepspeed_row(python: str, experts: int, steps: int) -> dict:
+    """DeepSpeed ZeRO-3's row from its own venv (bench/moe_ds.py), or the error."""
+    out = HERE / "results" / ".moe-ds.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([python, str(HERE / "moe_ds.py"), "--out", str(out), "--steps",
+                           str(steps), "--experts", str(experts)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        return {"system": "deepspeed", "error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.read_text())
+
+
 def table(rows: list[dict]) -> str:
     base = rows[0]
     lines = ["| run | step s | param MB/step | x ZeRO-3 | grad MB/step | all-to-all MB/step "
@@ -109,11 +128,14 @@ def table(rows: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         name = "ZeRO-3" if r["ep"] == 1 else f"ZeRO-3 + EP {r['ep']}"
+        if r.get("system") == "deepspeed":
+            name = f"DeepSpeed {r['deepspeed']} ZeRO-3"
         lines.append(
             f"| {name} | {r['step_s']:.3f} | {r['param_bytes'] / 1e6:.2f} | "
             f"{r['param_bytes'] / base['param_bytes']:.3f} | {r['grad_bytes'] / 1e6:.2f} | "
-            f"{r['a2a_bytes'] / 1e6:.2f} | {r['model_state_bytes'] / 1e6:.2f} | "
-            f"{r['rank_expert_params']:,} | {r['peak_rss_above_start'] / 2**20:.0f} |")
+            f"{r['a2a_bytes'] / 1e6:.2f} | {_mb(r.get('model_state_bytes'))} | "
+            f"{r.get('rank_expert_params', '-'):,} | "
+            f"{r['peak_rss_above_start'] / 2**20:.0f} |")
     return "\n".join(lines)
 
 
@@ -121,6 +143,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--ds-python", default=str(ROOT / ".venv-bench" / "bin" / "python"),
+                    help="the DeepSpeed venv's python ('' to skip DeepSpeed)")
     args = ap.parse_args()
     from zerotrain.models import build_model
 
@@ -130,6 +154,12 @@ def main() -> None:
     total = sum(p.numel() for p in m.parameters())
     share = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n) / total
     rows = [run(ep, args.experts, args.steps) for ep in (1, 2, 4)]
+    if args.ds_python and Path(args.ds_python).exists():
+        ds = deepspeed_row(args.ds_python, args.experts, args.steps)
+        if "error" in ds:
+            print(f"DeepSpeed failed: {ds['error']}")
+        else:
+            rows.append(ds)
     res = {"params": total, "expert_share": share, "rows": rows}
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "moe.json").write_text(json.dumps(res, indent=1))
