@@ -270,6 +270,10 @@ def test_bad_expert_parallel_settings_name_the_field():
                        r"world size \(3\)"):
         check_nodes(cfg, 3)
     assert "remove model.moe" in error({"hf": "gpt2", "moe": {"experts": 4}})
+    # one process (sample, export) builds every expert: EP is a multi-rank layout
+    from zerotrain.models import build_model
+
+    assert build_model(cfg.model, device="meta").blocks[0].mlp.experts.gate_up.shape[0] == E
 
 
 def train_hf(folder: str, stage: int, ep: int, steps: int = 3) -> dict:

@@ -28,6 +28,7 @@ from zerotrain.models import gpt, hf, llama, presets
 from zerotrain.models.hf_convert import ConvertedIndex
 from zerotrain.models.hf_export import hf_name, hf_twin
 from zerotrain.models.moe import active_numel
+from zerotrain.models.moe_parallel import one_process_whole
 from zerotrain.models.plan import Group, Plan, default_plan
 from zerotrain.models.presets import PRESETS, resolve_model_config
 from zerotrain.models.weights import SafetensorsIndex, WeightError, Weights, bind
@@ -83,7 +84,7 @@ def build_model(model_cfg: ModelConfig, device: torch.device | str | None = None
     """A randomly initialised model of the configured family, built on `device` (use
     "meta" to allocate nothing; the caller materialises it). `hf_config` stands in for
     model.hf's config.json (an export embeds it)."""
-    cfg = resolve_model_config(model_cfg, hf_config=hf_config)
+    cfg = one_process_whole(resolve_model_config(model_cfg, hf_config=hf_config))
     with torch.device(device) if device is not None else nullcontext():
         if cfg.hf is not None:
             return hf.build_hf(cfg, hf_config)
