@@ -65,13 +65,14 @@ def worker(rank: int, world: int, port: int, ep: int, experts: int, steps: int,
     start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     eng = Engine(build_model(cfg.model), cfg, torch.device("cpu"))
     g = torch.Generator().manual_seed(rank)
-    times, traffic = [], []
+    times, cpu, traffic = [], [], []
     for _ in range(steps):
         x = torch.randint(0, 512, (4, 128), generator=g)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         eng.backward(eng(x, x.roll(-1, 1)))
         eng.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         traffic.append(eng.last_traffic)
     mem = eng.strategy.memory_breakdown(eng.optimizer.state.values())
     expert = sum(p.numel() for n, p in eng.module.named_parameters() if ".experts." in n)
@@ -84,6 +85,7 @@ def worker(rank: int, world: int, port: int, ep: int, experts: int, steps: int,
         later = traffic[1:] or traffic
         row = {"ep": ep, "experts": experts, "world": world, "steps": steps,
                "step_s": statistics.median(times[1:] or times),
+               "cpu_s": statistics.median(cpu[1:] or cpu),
                "param_bytes": statistics.mean(sent(t, "params") for t in later),
                "grad_bytes": statistics.mean(sent(t, "grads") for t in later),
                "a2a_bytes": statistics.mean(sent(t, "experts") for t in later),
@@ -109,6 +111,10 @@ def _mb(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e6:.2f}"
 
 
+def _count(x: int | None) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
 def deepspeed_row(python: str, experts: int, steps: int) -> dict:
     """DeepSpeed ZeRO-3's row from its own venv (bench/moe_ds.py), or the error."""
     out = HERE / "results" / ".moe-ds.json"
@@ -123,18 +129,19 @@ def deepspeed_row(python: str, experts: int, steps: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = rows[0]
-    lines = ["| run | step s | param MB/step | x ZeRO-3 | grad MB/step | all-to-all MB/step "
+    lines = ["| run | step s | CPU s/step | param MB/step | x ZeRO-3 | grad MB/step | all-to-all MB/step "
              "| model states MB (rank 0) | expert params/rank | peak RSS MB above start |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         name = "ZeRO-3" if r["ep"] == 1 else f"ZeRO-3 + EP {r['ep']}"
         if r.get("system") == "deepspeed":
             name = f"DeepSpeed {r['deepspeed']} ZeRO-3"
         lines.append(
-            f"| {name} | {r['step_s']:.3f} | {r['param_bytes'] / 1e6:.2f} | "
+            f"| {name} | {r['step_s']:.3f} | {r.get('cpu_s', float('nan')):.3f} | "
+            f"{r['param_bytes'] / 1e6:.2f} | "
             f"{r['param_bytes'] / base['param_bytes']:.3f} | {r['grad_bytes'] / 1e6:.2f} | "
             f"{r['a2a_bytes'] / 1e6:.2f} | {_mb(r.get('model_state_bytes'))} | "
-            f"{r.get('rank_expert_params', '-'):,} | "
+            f"{_count(r.get('rank_expert_params'))} | "
             f"{r['peak_rss_above_start'] / 2**20:.0f} |")
     return "\n".join(lines)
 

@@ -86,20 +86,22 @@ def worker(rank: int, world: int, port: int, experts: int, steps: int, out: str)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     g = torch.Generator().manual_seed(rank)
-    times, sent = [], []
+    times, cpu, sent = [], [], []
     for _ in range(steps):
         x = torch.randint(0, 512, (4, 128), generator=g)
         before = dict(SENT)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.backward(engine(x, x.roll(-1, 1)))
         engine.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         sent.append({k: SENT[k] - before[k] for k in SENT})
     if rank == 0:
         later = sent[1:] or sent
         row = {"system": "deepspeed", "deepspeed": deepspeed.__version__, "ep": 1,
                "experts": experts, "world": world, "steps": steps,
                "step_s": statistics.median(times[1:] or times),
+               "cpu_s": statistics.median(cpu[1:] or cpu),
                "param_bytes": statistics.mean(s["params"] for s in later),
                "grad_bytes": statistics.mean(s["grads"] for s in later),
                "a2a_bytes": 0,
