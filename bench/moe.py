@@ -6,7 +6,8 @@ Prints a Markdown table and writes bench/results/moe.json.
 4 gloo ranks (CPU), the native llama MoE (`model.moe`, Qwen3-MoE's shape: top-2 of E
 SwiGLU experts per layer, experts >= 75% of the parameters), the same data on every
 row: ZeRO-3 (EP 1) vs ZeRO-3 + `model.moe.expert_parallel` 2 and 4. Per row, from rank
-0 over the steps after the first: median step time; parameter bytes sent per step (the
+0 over the steps after the first: median step time (wall, and rank 0's process CPU
+seconds, steadier on a shared machine); parameter bytes sent per step (the
 comm layer's counter, purpose "params": ZeRO-3's all-gathers), gradient bytes
 ("grads"), the experts' all-to-all bytes ("experts"); model-state bytes held by rank 0
 (the strategy's own audit) and its expert parameters' share; the peak RSS of rank 0
@@ -129,8 +130,9 @@ def deepspeed_row(python: str, experts: int, steps: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = rows[0]
-    lines = ["| run | step s | CPU s/step | param MB/step | x ZeRO-3 | grad MB/step | all-to-all MB/step "
-             "| model states MB (rank 0) | expert params/rank | peak RSS MB above start |",
+    lines = ["| run | step s | CPU s/step | param MB/step | x ZeRO-3 | grad MB/step "
+             "| all-to-all MB/step | model states MB (rank 0) | expert params/rank "
+             "| peak RSS MB above start |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         name = "ZeRO-3" if r["ep"] == 1 else f"ZeRO-3 + EP {r['ep']}"
