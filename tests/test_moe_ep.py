@@ -326,3 +326,30 @@ def test_hf_qwen3_moe_expert_parallel_equals_one_process(tmp_path):
         for i, (stage, ep) in enumerate(cases):
             close(out[r][i], ref, f"HF Qwen3-MoE rank {r}, stage {stage}, EP {ep}")
             assert out[r][i]["expert_numel"] * ep == ref["expert_numel"]
+
+
+def parting() -> str:
+    """Rank 0 exchanges experts' rows while rank 1 runs another collective: the lockstep
+    check (the EP group is checked in the world's sequence) names both, no hang."""
+    from zerotrain.comm.autograd import all_to_all_rows
+    from zerotrain.comm.collectives import Comm
+    from zerotrain.comm.lockstep import LockstepError
+
+    comm = Comm("native", check_lockstep=True)
+    ep = comm.split(2)
+    try:
+        if comm.rank == 0:
+            all_to_all_rows(ep, torch.ones(2, 3), [1, 1], [1, 1])
+        else:
+            comm.all_reduce(torch.ones(3))
+        return "no error"
+    except LockstepError as e:
+        return str(e)
+    finally:
+        comm.close()
+
+
+def test_lockstep_names_a_rank_that_skips_the_exchange():
+    for msg in run_ranks(parting, 2):
+        assert "all_to_all(experts on the 2-rank split groups)" in msg, msg
+        assert "all_reduce(grads)" in msg, msg
