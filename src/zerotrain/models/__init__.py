@@ -75,6 +75,8 @@ def active_param_count(model_cfg: ModelConfig) -> int:
     if cfg.hf is None:
         return presets.active_params(cfg)
     experts, top_k, _ = moe_shape(hf.read_hf_config(cfg.hf))
+    if cfg.moe is not None:  # every expert, whatever the expert-parallel degree
+        cfg = cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"expert_parallel": 1})})
     model = on_meta(lambda: build_model(cfg))
     return active_numel(model, experts, top_k) if experts else count_params(model)
 
