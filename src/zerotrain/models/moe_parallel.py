@@ -150,5 +150,5 @@ def describe(model: nn.Module) -> str | None:
     P, E = m.expert_parallel, m.total
     return (f"expert parallel {P}: this rank holds experts {m.first}..{m.first + E // P - 1} "
             f"of {E} in each of {len(mods)} layers; tokens reach them by all-to-all, "
-            f"expert states are sharded over the ranks holding the same experts (every "
-            f"{P}th rank from rank {m.first // (E // P)})")
+            f"expert states are sharded over the ranks holding the same experts "
+            f"(ranks {m.first // (E // P)}, {m.first // (E // P) + P}, ...)")
