@@ -100,10 +100,12 @@ def close(res: dict, ref: dict, what: str, tol: float = 1e-4) -> None:
     assert err < tol, f"{what}: parameters differ by {err:.2e}"
 
 
-def a2a_theory(counts: list[list[list[float]]], rank: int, ep: int, d: int) -> int:
+def a2a_theory(counts: list[list[list[float]]], rank: int, ep: int, d: int,
+               recompute: bool = False) -> int:
     """Bytes rank `rank` sends in one step: per layer, its pairs for other slots' experts
-    and the pairs it computed for the others, each twice (forward, backward), fp32 rows
-    of d; plus the counts (E - E/P int64) it tells the others."""
+    and the pairs it computed for the others, each twice (forward, backward; three times
+    when activation checkpointing recomputes the forward), fp32 rows of d; plus the
+    counts (E - E/P int64) it tells the others (twice when recomputed)."""
     L, start = E // ep, rank - rank % ep
     total = 0
     for layer in range(len(counts[rank])):
@@ -111,13 +113,14 @@ def a2a_theory(counts: list[list[list[float]]], rank: int, ep: int, d: int) -> i
         out = sum(c for e, c in enumerate(counts[rank][layer]) if e not in mine)
         into = sum(counts[s][layer][e] for s in range(start, start + ep) if s != rank
                    for e in mine)
-        total += int(2 * (out + into) * d * 4 + (E - L) * 8)
+        total += int((2 + recompute) * (out + into) * d * 4 + (1 + recompute) * (E - L) * 8)
     return total
 
 
 def test_expert_parallel_equals_one_process():
-    cases = [(0, 2, {}), (1, 4, {}), (2, 2, {}), (3, 4, {}), (3, 2, {"bias": SKEW}),
-             (1, 2, {"bias": SKEW}), (3, 2, {"opt": "adamw"})]
+    cases = [(0, 2, {}), (1, 4, {}), (2, 2, {"comm": {"algorithm": "ring"}}), (3, 4, {}),
+             (3, 2, {"bias": SKEW}),
+             (3, 2, {"model": {"activation_checkpointing": True}}), (3, 2, {"opt": "adamw"})]
     refs = {"plain": train(0, 1), "skew": train(0, 1, bias=SKEW),
             "adamw": train(0, 1, opt="adamw")}
     out = run_ranks(run_cases, 4, cases)
@@ -130,7 +133,8 @@ def test_expert_parallel_equals_one_process():
             # the all-to-all's bytes are what the routing says
             for step, sent in enumerate(out[r][i]["sent"]):
                 counts = [out[s][i]["counts"][step] for s in range(4)]
-                assert sent == a2a_theory(counts, r, ep, 32), (stage, ep, key, r, step)
+                again = "model" in extra  # activation checkpointing
+                assert sent == a2a_theory(counts, r, ep, 32, again), (stage, ep, key, r, step)
     # skewed: experts 2 and 3 got nothing, so their ranks received no pair
     assert all(row[2:] == [0.0, 0.0] for row in out[0][4]["counts"][0])
 
@@ -267,6 +271,10 @@ def test_bad_expert_parallel_settings_name_the_field():
                        r"world size \(3\)"):
         check_nodes(cfg, 3)
     assert "remove model.moe" in error({"hf": "gpt2", "moe": {"experts": 4}})
+    # one process (sample, export) builds every expert: EP is a multi-rank layout
+    from zerotrain.models import build_model
+
+    assert build_model(cfg.model, device="meta").blocks[0].mlp.experts.gate_up.shape[0] == E
 
 
 def train_hf(folder: str, stage: int, ep: int, steps: int = 3) -> dict:
@@ -318,3 +326,30 @@ def test_hf_qwen3_moe_expert_parallel_equals_one_process(tmp_path):
         for i, (stage, ep) in enumerate(cases):
             close(out[r][i], ref, f"HF Qwen3-MoE rank {r}, stage {stage}, EP {ep}")
             assert out[r][i]["expert_numel"] * ep == ref["expert_numel"]
+
+
+def parting() -> str:
+    """Rank 0 exchanges experts' rows while rank 1 runs another collective: the lockstep
+    check (the EP group is checked in the world's sequence) names both, no hang."""
+    from zerotrain.comm.autograd import all_to_all_rows
+    from zerotrain.comm.collectives import Comm
+    from zerotrain.comm.lockstep import LockstepError
+
+    comm = Comm("native", check_lockstep=True)
+    ep = comm.split(2)
+    try:
+        if comm.rank == 0:
+            all_to_all_rows(ep, torch.ones(2, 3), [1, 1], [1, 1])
+        else:
+            comm.all_reduce(torch.ones(3))
+        return "no error"
+    except LockstepError as e:
+        return str(e)
+    finally:
+        comm.close()
+
+
+def test_lockstep_names_a_rank_that_skips_the_exchange():
+    for msg in run_ranks(parting, 2):
+        assert "all_to_all(experts on the 2-rank split groups)" in msg, msg
+        assert "all_reduce(grads)" in msg, msg

@@ -68,9 +68,13 @@ def all_to_all_dims(comm: Comm, x: Tensor, scatter_dim: int, gather_dim: int, *,
 def _exchange_rows(comm: Comm, x: Tensor, send: list[int], recv: list[int],
                    purpose: str) -> Tensor:
     row = math.prod(x.shape[1:])
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    comm.all_to_all(out, x.contiguous(), [r * row for r in recv], [s * row for s in send],
-                    purpose=purpose).wait()
+    # grad mode on, as on the comm thread where the ring cuts and fills its views (views
+    # made in an autograd forward's no-grad mode may not be written in grad mode)
+    with torch.enable_grad():
+        x = x.detach().contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        comm.all_to_all(out, x, [r * row for r in recv], [s * row for s in send],
+                        purpose=purpose).wait()
     return out
 
 

@@ -29,6 +29,8 @@ collective: no routing can make ranks part (the lockstep check covers the exchan
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -44,6 +46,20 @@ def ep_slot(parallel: int) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() % parallel
     return 0
+
+
+def one_process_whole(cfg: Any) -> Any:
+    """A model config as one process builds it: every expert here (EP 1) when no process
+    group of more than one rank is open — sampling, export, a resumed model in one
+    process read whole tensors; expert parallelism is a layout of multi-rank training."""
+    import torch.distributed as dist
+
+    moe = getattr(cfg, "moe", None)
+    if moe is None or moe.expert_parallel == 1:
+        return cfg
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return cfg
+    return cfg.model_copy(update={"moe": moe.model_copy(update={"expert_parallel": 1})})
 
 
 def ep_ranks(rank: int, world: int, parallel: int) -> list[int]:
@@ -134,4 +150,5 @@ def describe(model: nn.Module) -> str | None:
     P, E = m.expert_parallel, m.total
     return (f"expert parallel {P}: this rank holds experts {m.first}..{m.first + E // P - 1} "
             f"of {E} in each of {len(mods)} layers; tokens reach them by all-to-all, "
-            f"expert states are sharded over the {P}-strided ranks holding the same experts")
+            f"expert states are sharded over the ranks holding the same experts "
+            f"(ranks {m.first // (E // P)}, {m.first // (E // P) + P}, ...)")

@@ -34,8 +34,10 @@ from zerotrain.zero.partition import Partition
 
 if TYPE_CHECKING:
     from zerotrain.comm.collectives import Comm
-    from zerotrain.zero.cut import UnitSpec
     from zerotrain.zero.unit import Unit
+
+#: (unit name, its (name, parameter, group) entries, extra Unit fields): zero/cut.py's
+UnitSpec = tuple[str, list, dict]
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,9 @@ def grad_norm_sq(strategy: Any) -> float | None:
     units = strategy.units
     if not any(slot_of(u) is not None for u in units):
         return None
-    from zerotrain.optim import foreach
-
     total = 0.0
     for u in units:
-        local = float(foreach.sum_of_squares([strategy.owned_grad(u)], strategy.host))
+        local = float(strategy.grads.norm_sq([u], lambda u=u: [strategy.owned_grad(u)],
+                                             strategy.host))
         total += local if strategy.shards_optimizer else local / u.part.world
     return float(strategy.comm.all_reduce_scalars([total])[0])

@@ -80,7 +80,7 @@ class StrategyState:
         `read` is asked only for the elements this rank keeps, so a sharded source
         (resharded checkpoint, safetensors slices) is never materialised in full.
         """
-        self._fill_masters(lambda u: gather_range(
+        self._fill_masters(lambda u: gather_range(  # expert units: their whole parameter
             experts.unit_layout(u), *experts.ranges(u, *self.opt_range(u)), read,
             u.master.dtype), only)
 
