@@ -285,7 +285,7 @@ ZERO_LAYERS = {
     "zerotrain.zero.base": 3, "zerotrain.zero.ddp": 3, "zerotrain.zero.zero1": 3,
     "zerotrain.zero.zero2": 3, "zerotrain.zero.zero3": 3, "zerotrain.zero.update": 3,
     "zerotrain.zero.muon": 3, "zerotrain.zero.state": 3, "zerotrain.zero.cut": 3,
-    "zerotrain.zero.build": 3, "zerotrain.zero.experts": 3,
+    "zerotrain.zero.build": 3,
     "zerotrain.zero": 4,
 }
 ZERO_TIERS, ZERO_STAGES = 0, 3
