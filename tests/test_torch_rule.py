@@ -121,3 +121,35 @@ def test_client_adamw_through_the_engine_equals_torch(stage, fused):
         got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     for n, p in ref.named_parameters():
         assert torch.equal(got[n], p.detach()), n
+
+
+def test_config_adamw_with_torch_adam_equals_torch():
+    """The config's AdamW with `torch_adam: true`: DeepSpeed builds torch.optim.AdamW from
+    it, so zerotrain updates with torch's single-tensor arithmetic: equal to torch."""
+    torch.manual_seed(0)
+    net, ref = Net(), Net()
+    ref.load_state_dict(net.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": float("inf"),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True},
+        },
+    }
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x, y = torch.randn(4, 16, generator=g), torch.randint(0, 8, (4,), generator=g)
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    got = dict(engine.module.named_parameters())
+    for n, p in ref.named_parameters():
+        assert torch.equal(got[n].detach(), p.detach()), n

@@ -64,22 +64,11 @@ def torch_adam_(
     (0-d float32 tensors, torch's `state["step"]`) are incremented as torch does."""
     if rule not in RULES:
         raise ValueError(f"arithmetic {rule!r}: one of {', '.join(RULES)}")
+    hyper = dict(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled
+    )
     if rule == "torch_fused" and all(p.device.type == "cpu" for p in params):
-        for st in steps:
-            st += 1
-        for p, g, m, v, st in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-            for a in range(0, p.numel(), _BLOCK):
-                b = min(a + _BLOCK, p.numel())
-                fused_cpu_block_(
-                    *(t.view(-1)[a:b] for t in (p, g, m, v)),
-                    step=float(st),
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=eps,
-                    weight_decay=weight_decay,
-                    decoupled=decoupled,
-                )
+        _fused_cpu(params, grads, exp_avgs, exp_avg_sqs, steps, hyper)
         return
     fused = rule == "torch_fused"
     # torch's fused kernels want the step counters on the parameters' device
@@ -112,6 +101,23 @@ def torch_adam_(
     if fused:
         for st, c in zip(steps, counters, strict=True):
             st.copy_(c)
+
+
+def _fused_cpu(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    hyper: dict,
+) -> None:
+    """torch's fused CPU update, replayed block by block (cut-independent)."""
+    for st in steps:
+        st += 1
+    for p, g, m, v, st in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        for a in range(0, p.numel(), _BLOCK):
+            b = min(a + _BLOCK, p.numel())
+            fused_cpu_block_(*(t.view(-1)[a:b] for t in (p, g, m, v)), step=float(st), **hyper)
 
 
 def _sqrt_rounded(v: Tensor) -> Tensor:
