@@ -46,6 +46,9 @@ MUON_DEFAULT_MOMENTUM = 0.95
 #: there the eager update costs ~40 ms more per step than the fused one (bench/optim.py),
 #: which repays seconds of compilation within a few hundred steps.
 COMPILE_AUTO_MIN_PARAMS = 1 << 24
+#: the same for compact states' (de)quantisation and rounding: eager it costs several
+#: times the fp32 rule (bench/states.py --step-time), so compiling repays sooner
+COMPACT_COMPILE_AUTO_MIN_PARAMS = 1 << 20
 
 
 def _class(name: str) -> Any:
@@ -131,7 +134,17 @@ def build_optimizer(
     """
     opt = _build(cfg, param_groups, agree)
     opt.compact = compact or (Compact(cfg.state_dtype) if cfg.state_dtype != "fp32" else FP32)
+    opt.compact_compiled = opt.compact.active and _compact_compile(cfg.compile, opt.param_groups)
     return opt
+
+
+def _compact_compile(setting: bool | str, param_groups: list[dict[str, Any]]) -> bool:
+    """`optimizer.compile` for the compact kernels (compiled and eager give the same
+    bits, so ranks need not agree): auto from `COMPACT_COMPILE_AUTO_MIN_PARAMS` on."""
+    if setting != "auto":
+        return bool(setting)
+    numel = sum(p.numel() for g in param_groups for p in g["params"])
+    return numel >= COMPACT_COMPILE_AUTO_MIN_PARAMS
 
 
 def _build(cfg: OptimizerConfig, param_groups: list[dict[str, Any]],
