@@ -267,7 +267,7 @@ def main() -> None:
         "zero": {"stage": 0},
         "data": {"micro_batch_size": args.batch},
         "schedule": {"warmup_steps": warm},
-        "optimizer": {"compile": False},
+        "optimizer": {"compile": "auto"},  # fp32: eager (< 2^24); compact: compiled kernels
     }
     cfg = load_config(args.config, common)
     tokens = load_tokens(cfg.data.path)
