@@ -267,7 +267,7 @@ def main() -> None:
         "zero": {"stage": 0},
         "data": {"micro_batch_size": args.batch},
         "schedule": {"warmup_steps": warm},
-        "optimizer": {"compile": "auto"},  # fp32: eager (< 2^24); compact: compiled kernels
+        "optimizer": {"compile": False},
     }
     cfg = load_config(args.config, common)
     tokens = load_tokens(cfg.data.path)
@@ -291,8 +291,9 @@ def main() -> None:
         k = step % len(runs)
         for run in runs[k:] + runs[:k]:
             run.step(step, x, y)
-        if (step + 1) % 60 == 0:
-            print(f"step {step + 1}  {time.perf_counter() - t0:.0f} s", flush=True)
+        if (step + 1) % 60 == 0:  # progress, and a loss curve that survives a cut-short run
+            losses = "  ".join(f"{r.name}: {r.evaluate(evals):.4f}" for r in runs)
+            print(f"step {step + 1}  {time.perf_counter() - t0:.0f} s  val {losses}", flush=True)
     report(args, runs, evals, notes, time.perf_counter() - t0)
 
 
