@@ -72,7 +72,7 @@ SYSTEMS: dict[str, str] = {
     "ds-2": "ds-2", "ds-3": "ds-3", "fsdp2-reshard-meta": "fsdp2-reshard-meta",
     "zt-3-nvme": "zt-3-nvme", "zt-3-pcpu": "zt-3-pcpu",
 }
-#: ZeRO-Infinity rows (zerotrain's ZeRO-3 engine with tiers, zero/infinity.py): their
+#: ZeRO-Infinity rows (zerotrain's ZeRO-3 engine with tiers, zero/states/disk.py): their
 #: config over zt-3's; `NVME` is replaced by --nvme-path
 ZT_TIERS: dict[str, dict[str, Any]] = {
     "zt-3-nvme": {"zero": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",

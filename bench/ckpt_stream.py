@@ -79,7 +79,7 @@ def worker(args) -> dict:
     import torch
 
     from zerotrain.checkpoint import load, save
-    from zerotrain.zero.lazy import LoadMeter
+    from zerotrain.zero.tiers.lazy import LoadMeter
 
     root = Path(args.dir) / args.mode
     shutil.rmtree(root, ignore_errors=True)

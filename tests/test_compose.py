@@ -1,5 +1,5 @@
 """The parts a strategy is composed from (docs/design.md §compose): the placement, chosen
-once and handed to the stage, and the wire, chosen in zero/wire.py from the config."""
+once and handed to the stage, and the wire, chosen in zero/params/wire.py from the config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from zerotrain.config import build_config
 from zerotrain.models import build_model, plan_for
 from zerotrain.zero import HostOffload, OnDevice, strategy_class
-from zerotrain.zero.wire import Fp8Gather, PlainWire, choose_wire
+from zerotrain.zero.params.wire import Fp8Gather, PlainWire, choose_wire
 from zerotrain.zero.zero2 import ZeRO2
 from zerotrain.zero.zero3 import ZeRO3
 

@@ -541,8 +541,8 @@ def test_convert_a_deepspeed_checkpoint_on_the_command_line(tmp_path, capsys):
 def test_zero_infinity_config_saves_streamed_and_resumes(tmp_path, monkeypatch):
     """A DeepSpeed ZeRO-Infinity config (parameters and optimizer on NVMe) trains through
     the compat engine; its checkpoint is written without bringing the tier's states into
-    memory (`Streamed.resident` never runs) and a fresh engine resumes it exactly."""
-    from zerotrain.zero.infinity import Streamed
+    memory (the disk home's `resident` never runs) and a fresh engine resumes it exactly."""
+    from zerotrain.zero.states.disk import NvmeOffload
 
     def no_resident(self):
         raise AssertionError("a save or load made the tier's states resident")
@@ -568,7 +568,7 @@ def test_zero_infinity_config_saves_streamed_and_resumes(tmp_path, monkeypatch):
 
     (eng, _, _, _), _net = _single(cfg)
     train(eng, xs[:3])
-    monkeypatch.setattr(Streamed, "resident", no_resident)
+    monkeypatch.setattr(NvmeOffload, "resident", no_resident)
     eng.save_checkpoint(str(tmp_path / "ckpt"))
     after = train(eng, xs[3:])
     (eng2, _, _, _), _net2 = _single(cfg)

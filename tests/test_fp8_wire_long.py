@@ -44,7 +44,7 @@ def test_fp8_wire_scale_of_a_foreign_weight_follows_its_amax():
 
     from zerotrain.numerics.fp8 import FP8_E4M3, scale_from_amax
     from zerotrain.zero.flat import FlatUnit
-    from zerotrain.zero.fp8_wire import Fp8Wire
+    from zerotrain.zero.params.fp8_wire import Fp8Wire
     from zerotrain.zero.partition import Partition
 
     a, b = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))

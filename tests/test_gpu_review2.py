@@ -81,7 +81,7 @@ def test_fp8_refresh_at_two_ranks_on_a_device():
     """N1: at 2 ranks each rank holds pieces of only some FP8 weights; the amax vector
     stacked device amaxes with a CPU zero for the others, which CUDA refuses."""
     from zerotrain.zero.flat import FlatUnit
-    from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.params.fp8_wire import Fp8Wire, refresh_all
     from zerotrain.zero.partition import Partition
 
     g = torch.Generator().manual_seed(0)
@@ -211,6 +211,7 @@ def _first_unit_is_padding_here(eng) -> list[str]:
     s.updater = UnitByUnit(s)
     if s.rank == 1:
         s.opt_segments = [sv for sv in s.opt_segments if sv[0].unit != 0]
+        s.placement.attach(s.units, s.opt_segments)  # the home's views by unit, as built
     collective, step = comm._collective, eng.optimizer.step
 
     def spy(op, *args, **kw):
@@ -398,7 +399,7 @@ def test_a_pinned_buffer_is_unregistered_when_its_memory_is_freed(monkeypatch):
     the last one unregisters (no close() needed); release_host_buffer unregisters once."""
     import gc
 
-    from zerotrain.zero import offload
+    from zerotrain.zero.states import host as offload
 
     rt = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
@@ -427,7 +428,7 @@ def test_close_waits_for_in_flight_copies_before_unregistering(monkeypatch):
     (compute stream) or gradient copy (side stream) could still be using."""
     from zerotrain.engine import Engine
     from zerotrain.models.gpt import GPT
-    from zerotrain.zero import offload
+    from zerotrain.zero.states import host as offload
 
     from zero_harness import make_config
 
@@ -458,7 +459,7 @@ def test_close_waits_for_in_flight_copies_before_unregistering(monkeypatch):
 
 
 def test_a_failed_registration_clears_the_cuda_error(monkeypatch):
-    from zerotrain.zero import offload
+    from zerotrain.zero.states import host as offload
 
     cleared = []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(fail=712))
@@ -765,7 +766,7 @@ _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUD
 def test_fp8_refresh_with_cuda_shards_at_two_ranks():
     """N1 on the real device: the CPU stand-in's verdict, checked against CUDA itself."""
     from zerotrain.zero.flat import FlatUnit
-    from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.params.fp8_wire import Fp8Wire, refresh_all
     from zerotrain.zero.partition import Partition
 
     a, b = (nn.Parameter(torch.randn(64, 64)) for _ in range(2))
@@ -784,7 +785,7 @@ def test_a_dropped_pinned_buffer_can_be_registered_again():
     registration at the same addresses succeeds (it failed with 712 before)."""
     import gc
 
-    from zerotrain.zero import offload
+    from zerotrain.zero.states import host as offload
 
     for _ in range(20):
         t = offload.host_buffer(1 << 16, torch.float32, pinned=True)

@@ -303,9 +303,9 @@ def test_fp8_refresh_hands_each_piece_a_device_amax(monkeypatch):
     copied its own 0-d amax to the device (pageable: one stream sync per piece per
     step). They go back to the shards' device once, before the pieces are packed."""
     from simdevice import SimDevice
-    from zerotrain.zero import fp8_wire
     from zerotrain.zero.flat import FlatUnit
-    from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.params import fp8_wire
+    from zerotrain.zero.params.fp8_wire import Fp8Wire, refresh_all
     from zerotrain.zero.partition import Partition
 
     seen, real = [], fp8_wire.quantize_shard

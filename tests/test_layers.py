@@ -271,3 +271,74 @@ def test_no_file_over_400_lines_and_no_function_over_60():
                     long_functions.append(f"{shown}:{node.lineno} {node.name}: {n} lines")
     assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+
+
+# Inside `zerotrain.zero`: tiers (byte movers that know nothing of ZeRO) < the layout of
+# units < the homes (ZeRO-3's parameter store, the home of gradients, masters and moments)
+# < the stages and their updaters < the builder (`zerotrain.zero` itself). A stage never
+# imports a tier: it asks its home or its store.
+ZERO_LAYERS = {
+    "zerotrain.zero.tiers": 0,
+    "zerotrain.zero.partition": 1, "zerotrain.zero.flat": 1, "zerotrain.zero.unit": 1,
+    "zerotrain.zero.audit": 1, "zerotrain.zero.init": 1,
+    "zerotrain.zero.params": 2, "zerotrain.zero.states": 2,
+    "zerotrain.zero.base": 3, "zerotrain.zero.ddp": 3, "zerotrain.zero.zero1": 3,
+    "zerotrain.zero.zero2": 3, "zerotrain.zero.zero3": 3, "zerotrain.zero.update": 3,
+    "zerotrain.zero.muon": 3, "zerotrain.zero.state": 3, "zerotrain.zero.cut": 3,
+    "zerotrain.zero.build": 3,
+    "zerotrain.zero": 4,
+}
+ZERO_TIERS, ZERO_STAGES = 0, 3
+# Outside `zero`, these import only its public face (`zerotrain.zero`).
+FACE_ONLY = ("zerotrain.engine", "zerotrain.engine_api")
+
+
+def zero_layer(module: str) -> int | None:
+    best = None
+    for prefix, rank in ZERO_LAYERS.items():
+        inside = module == prefix or module.startswith(prefix + ".")
+        if inside and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, rank)
+    return None if best is None else best[1]
+
+
+def zero_problems(imports: list[Import]) -> list[str]:
+    problems = []
+    for imp in imports:
+        if imp.importer in FACE_ONLY and imp.target.startswith("zerotrain.zero."):
+            problems.append(f"{imp.where()}: {imp.importer} imports {imp.target}; it may "
+                            "import only zerotrain.zero's public face")
+        if not (imp.importer.startswith("zerotrain.zero")
+                and imp.target.startswith("zerotrain.zero")):
+            continue
+        own, theirs = zero_layer(imp.importer), zero_layer(imp.target)
+        if own is None or theirs is None:
+            name = imp.importer if own is None else imp.target
+            problems.append(f"{imp.where()}: {name} is in no layer of ZERO_LAYERS")
+        elif theirs > own:
+            problems.append(f"{imp.where()}: {imp.importer} (zero layer {own}) imports "
+                            f"{imp.target} (zero layer {theirs}): imports must point down")
+        elif own == ZERO_STAGES and theirs == ZERO_TIERS:
+            problems.append(f"{imp.where()}: stage module {imp.importer} imports the tier "
+                            f"{imp.target}; ask the home or the store instead")
+    return problems
+
+
+def test_zero_layers_inside():
+    assert zero_problems(scan()) == []
+
+
+def test_zero_checker_finds_a_stage_importing_a_tier(tmp_path):
+    imports = _tree(tmp_path, {
+        "zerotrain/zero/__init__.py": "",
+        "zerotrain/zero/zero3.py": "from zerotrain.zero.tiers import tier\n",
+        "zerotrain/zero/tiers/__init__.py": "",
+        "zerotrain/zero/tiers/tier.py": "from zerotrain.zero.states import home\n",
+        "zerotrain/zero/states/__init__.py": "",
+        "zerotrain/zero/states/home.py": "",
+        "zerotrain/engine.py": "from zerotrain.zero.states import home\n",
+    })
+    found = zero_problems(imports)
+    assert any("stage module zerotrain.zero.zero3 imports the tier" in p for p in found)
+    assert any("zerotrain.zero.tiers.tier (zero layer 0) imports" in p for p in found)
+    assert any("zerotrain.engine imports zerotrain.zero.states.home" in p for p in found)

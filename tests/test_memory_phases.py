@@ -19,8 +19,8 @@ from zerotrain.memory import (
     phase_estimates,
     steady_peak,
 )
-from zerotrain.zero.grads import ShardedGrads
 from zerotrain.zero.partition import Partition
+from zerotrain.zero.states.grads import ShardedGrads
 from zerotrain.zero.unit import Unit
 
 from multirank import run_ranks

@@ -168,7 +168,7 @@ def test_disk_states_leave_the_phases_and_buffers_join_them():
 
 
 def test_tier_buffers_by_phase_and_prefetch():
-    """Each phase's residency (what the engine holds, zero/infinity.py), fp32 with the
+    """Each phase's residency (what the engine holds, zero/states/disk.py), fp32 with the
     gradients on disk as on a CPU rank: units of 10, 6 and 4 elements over N = 2 (shards
     5, 3, 2), everything on disk, the parameter shard its own master."""
     from zerotrain.memory.tiers import tier_buffers

@@ -15,7 +15,7 @@ import torch
 from zerotrain.cli.estimate import predict_peaks
 from zerotrain.config import build_config
 from zerotrain.memory import STAGE_SHARDS, activation_bytes, can_offload
-from zerotrain.zero import STRATEGIES, run_shape
+from zerotrain.zero import PLACEMENTS, STAGES, Kind, run_shape
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}
 
@@ -37,13 +37,18 @@ CASES = [
 
 
 def test_stage_declarations_are_the_spec_table():
-    for (stage, off), cls in STRATEGIES.items():
+    # every resident kind the builder can make: a stage class and a home (the disk home is
+    # zero3-nvme, its own name); offloading kinds only where the facts allow them
+    kinds = {(stage, bool(PLACEMENTS[p].offloads)): Kind(cls, PLACEMENTS[p])
+             for stage, cls in STAGES.items() for p in ("none", "cpu")
+             if not PLACEMENTS[p].offloads or can_offload(cls.shards)}
+    for (stage, off), cls in kinds.items():
         assert cls.shards == STAGE_SHARDS[stage], cls.name
         assert bool(cls.offloads) == off, cls.name
         # checkpoints record these names: the placement's suffix keeps them as they were
         assert cls.name == ("ddp" if stage == 0 else f"zero{stage}") + "-offload" * off
-    for stage, shards in STAGE_SHARDS.items():
-        assert ((stage, True) in STRATEGIES) == can_offload(shards)
+    for stage in STAGE_SHARDS:
+        assert ((stage, True) in kinds) == (stage >= 2)  # Offload: sharded gradients
 
 
 @pytest.mark.parametrize("extra,label", CASES, ids=[c[1] for c in CASES])

@@ -85,7 +85,7 @@ def _init_peak() -> dict:
     torch.manual_seed(0)
     eng = Engine(build_model(cfg.model, device="meta"), cfg, torch.device("cpu"))
     # fp32: the master is the parameter shard; the gradient shard is never zeroed, so its
-    # pages become resident at the first backward (zero/grads.py), not at init
+    # pages become resident at the first backward (zero/states/grads.py), not at init
     shard = eng.strategy.memory_breakdown()["device"]["params"]
     largest = max(s.numel for u in eng.strategy.units for s in u.slots) * 4
     out = {"init": eng.memory_phases()["measured"]["init"], "shard": shard,

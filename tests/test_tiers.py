@@ -1,4 +1,4 @@
-"""The offload tiers (zero/tier.py, zero/tier_io.py): bytes in and out bit-exact, aligned
+"""The offload tiers (zero/tiers/tier.py, zero/tiers/io.py): bytes in and out bit-exact, aligned
 blocks, counters, the run's own directory and its removal, and the errors of a bad or
 full disk."""
 
@@ -14,9 +14,10 @@ import time
 import pytest
 import torch
 
-from zerotrain.zero import tier_io
-from zerotrain.zero.tier import HostTier, NvmeTier, Placed, make_tier
-from zerotrain.zero.tier_io import PREFIX, TierError, aligned
+from zerotrain.zero.tiers import io as tier_io
+from zerotrain.zero.tiers.io import PREFIX, TierError, aligned
+from zerotrain.zero.tiers.placed import Placed
+from zerotrain.zero.tiers.tier import HostTier, NvmeTier, make_tier
 
 
 def nvme(tmp_path, **kw) -> NvmeTier:
@@ -87,7 +88,7 @@ def test_run_directory_is_private_and_removed(tmp_path):
 
 
 def test_removed_at_exit_after_an_exception(tmp_path):
-    code = ("import torch, sys\nfrom zerotrain.zero.tier import NvmeTier\n"
+    code = ("import torch, sys\nfrom zerotrain.zero.tiers.tier import NvmeTier\n"
             f"t = NvmeTier({str(tmp_path)!r})\nr = t.region('a', 1000, torch.float32)\n"
             "t.store(r, torch.ones(1000)).wait()\nprint(t.root, flush=True)\n"
             "raise SystemExit('boom') if False else ValueError('boom')\n")

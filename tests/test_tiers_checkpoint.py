@@ -1,5 +1,5 @@
 """Checkpoints of ZeRO-Infinity runs streamed unit by unit (checkpoint/stream.py,
-zero/lazy.py): the file is the one `safetensors.torch.save_file` writes, a save holds
+zero/tiers/lazy.py): the file is the one `safetensors.torch.save_file` writes, a save holds
 about one tensor of the states at a time (never all of them, as bringing them resident
 did), and a load fills the tier unit by unit, bit-exact with a load without a tier."""
 
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zerotrain.checkpoint import stream
-from zerotrain.zero import infinity
-from zerotrain.zero.lazy import LoadMeter
+from zerotrain.zero.states import disk as infinity
+from zerotrain.zero.tiers.lazy import LoadMeter
 
 from zero_harness import batches, full_params, local_batch, make_config
 
@@ -47,9 +47,9 @@ def _train(eng, start: int, n: int) -> None:
 
 
 def _placed(eng) -> list:
-    up = eng.strategy.updater
-    assert isinstance(up, infinity.Streamed)
-    return list(up.masters.values()) + list(up.states.values())
+    home = eng.strategy.placement
+    assert isinstance(home, infinity.NvmeOffload)
+    return list(home.masters.values()) + list(home.states.values())
 
 
 def _unit_bytes(eng) -> dict[int, int]:
@@ -96,7 +96,7 @@ def test_streamed_file_is_byte_identical_to_save_file(tmp_path):
 def test_lazy_tensors_are_loaded_one_at_a_time(tmp_path):
     """A `Lazy` value is loaded only when its bytes are written, after the previous
     one's are; the file is the same as from the tensors themselves."""
-    from zerotrain.zero.lazy import Lazy
+    from zerotrain.zero.tiers.lazy import Lazy
 
     values = {f"t{i}": torch.full((100 + i,), float(i)) for i in range(5)}
     live, peak = [0], [0]
@@ -174,14 +174,14 @@ def test_streamed_load_fills_the_tier_unit_by_unit(tmp_path, monkeypatch, source
 
     eng = _engine(_nvme(tmp_path / "s1"))
     held: list[int] = []
-    real = infinity.Streamed.settle
+    real = infinity.NvmeOffload.settle
 
     def settle(self, u):  # each unit's end: the bytes of states in memory
         held.append(sum(p.t.untyped_storage().nbytes() for p in _placed(eng)))
         real(self, u)
-    monkeypatch.setattr(infinity.Streamed, "settle", settle)
+    monkeypatch.setattr(infinity.NvmeOffload, "settle", settle)
     eng.load_checkpoint(tmp_path / "ckpt")
-    monkeypatch.setattr(infinity.Streamed, "settle", real)
+    monkeypatch.setattr(infinity.NvmeOffload, "settle", real)
     assert not any(p.resident for p in _placed(eng))
     per_unit = _unit_bytes(eng)
     assert held and max(held) <= max(per_unit.values()) < sum(per_unit.values()) / 2

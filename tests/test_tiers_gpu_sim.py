@@ -1,4 +1,4 @@
-"""The offload tiers' GPU branches (zero/tier.py), on the CPU (issue 25 item 6).
+"""The offload tiers' GPU branches (zero/tiers/tier.py), on the CPU (issue 25 item 6).
 
 Device tensors are the stand-in accelerator's (`simdevice.py`: labelled `meta`, CPU data
 underneath, refusing every op that mixes them with CPU tensors, as CUDA does). The CUDA
@@ -20,8 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from simdevice import SIM, SimDevice, SimTensor
-from zerotrain.zero import offload
-from zerotrain.zero.tier import EventHandle, HostTier, NvmeTier, Placed
+from zerotrain.zero.states import host as offload
+from zerotrain.zero.tiers.placed import Placed
+from zerotrain.zero.tiers.tier import EventHandle, HostTier, NvmeTier
 
 CUDA = torch.device("cuda", 0)
 
@@ -286,7 +287,7 @@ def test_param_tier_on_a_device_reads_fenced_and_writes_behind(monkeypatch):
     written shards go back behind the next one (depth 1) and come back bit-exactly."""
     from types import SimpleNamespace
 
-    from zerotrain.zero.infinity import ParamTier
+    from zerotrain.zero.params.tiered import ParamTier
 
     rt = _Runtime()
     rt.install(monkeypatch)

@@ -37,7 +37,7 @@ def _reads_land_at_once() -> None:
     """The disk tier's reads done in the caller's thread: landed when issued."""
     from concurrent.futures import Future
 
-    from zerotrain.zero.tier_io import BlockIO
+    from zerotrain.zero.tiers.io import BlockIO
 
     def read(self, fd, out, counter, offset):
         done = []

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity in training (zero/infinity.py): parameter shards and optimizer states in
+"""ZeRO-Infinity in training (zero/states/disk.py): parameter shards and optimizer states in
 a host or NVMe tier give the very same training as without (bit-exact, CPU fp32), resume
 from any tier into any tier, read ahead of the compute, and fail cleanly on a bad disk."""
 
@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from zerotrain.zero import tier_io
-from zerotrain.zero.tier_io import PREFIX, TierError
+from zerotrain.zero.tiers import io as tier_io
+from zerotrain.zero.tiers.io import PREFIX, TierError
 
 from multirank import run_ranks
 from zero_harness import batches, local_batch, make_config, run_many
@@ -171,7 +171,7 @@ def test_fetch_of_next_unit_overlaps_compute(tmp_path, monkeypatch):
             prepend=True)
     X, Y = next(batches(1))
     eng(X[:4], Y[:4])
-    loads = {i: h for i, h in s.param_tier.loads}
+    loads = {i: h for i, h in s.store.tier.loads}
     blocks = [u.index for u in s._blocks]
     for k, nxt in itertools.pairwise(blocks):
         start, end = computed[k]

@@ -47,7 +47,7 @@ def test_block_codes_bound_against_fp64_reference(bits, n):
 def _qgz_worker(bits: int) -> dict:
     from zerotrain.comm.collectives import Comm
     from zerotrain.comm.dist import world
-    from zerotrain.zero.grad_wire import QuantGradWire, reference_reduce
+    from zerotrain.zero.states.grad_wire import QuantGradWire, reference_reduce
 
     rank, n = world()
     comm = Comm("native", node_size=2)
@@ -224,9 +224,9 @@ def _hpz_copies(_: None) -> tuple[int, int, int]:
     X, Y = next(iter(batches(1)))
     x, y = local_batch(X, Y, rank, n, cfg.data.micro_batch_size)
     loss = eng(x, y)
-    held = eng.strategy.hpz.resident_bytes()
+    held = eng.strategy.store.hpz.resident_bytes()
     eng.backward(loss)
-    after = eng.strategy.hpz.resident_bytes()
+    after = eng.strategy.store.hpz.resident_bytes()
     eng.step()
     plain = make_config(NODES, n, 4)
     on, off = (phase_estimates(replace(  # the bare sum: no allocator allowance, no running max

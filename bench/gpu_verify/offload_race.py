@@ -41,7 +41,7 @@ CASES = {
 def patch_sleeps() -> None:
     """Queue a GPU sleep before every async copy that a fence must order."""
     from zerotrain.data import sampler
-    from zerotrain.zero import offload
+    from zerotrain.zero.states import host as offload
 
     real_write = offload.HostOffload.write_master
 

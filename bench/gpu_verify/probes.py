@@ -101,7 +101,7 @@ def p_h1(dev: torch.device) -> None:
 
 
 def p_s3(dev: torch.device) -> None:
-    from zerotrain.zero.offload import host_buffer, release_host_buffer
+    from zerotrain.memory.host import host_buffer, release_host_buffer
 
     name = "S3: many small registered host buffers (neighbours share pages)"
     pinned = dev.type == "cuda"
@@ -218,7 +218,7 @@ def p_n1(dev: torch.device) -> None:
     from torch import nn
 
     from zerotrain.zero.flat import FlatUnit
-    from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
+    from zerotrain.zero.params.fp8_wire import Fp8Wire, refresh_all
     from zerotrain.zero.partition import Partition
 
     name = "N1: ZeRO-3 FP8 all-gather refresh, 2-rank layout, device shards"
@@ -359,7 +359,7 @@ def p_n9(dev: torch.device) -> None:
     """A registered host buffer dropped without release (an Engine dropped without
     close()), then a new host_buffer at the reused address: REPRODUCED when registering it
     fails (the dropped one was never unregistered), FIXED when it works."""
-    from zerotrain.zero.offload import host_buffer, release_host_buffer
+    from zerotrain.memory.host import host_buffer, release_host_buffer
 
     name = "N9: host buffer freed without release, address reused by a new one"
     if dev.type != "cuda":

@@ -138,7 +138,7 @@ def _train(over: dict, steps: int, sleep_copies: bool = False) -> dict:
     from zerotrain.data.sampler import to_device
     from zerotrain.engine import Engine
     from zerotrain.models.gpt import GPT
-    from zerotrain.zero import tier as T
+    from zerotrain.zero.tiers import tier as T
 
     L, C_ = (2, 32) if DRY else (4, 512)
     base = {
@@ -322,7 +322,7 @@ def c_fp8wire() -> None:
     from zerotrain.numerics.formats import FP8_E4M3
     from zerotrain.numerics.fp8 import scale_from_amax
     from zerotrain.zero.flat import FlatUnit
-    from zerotrain.zero.fp8_wire import Fp8Wire
+    from zerotrain.zero.params.fp8_wire import Fp8Wire
     from zerotrain.zero.partition import Partition
 
     a, b = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))

@@ -45,9 +45,7 @@ from zerotrain.numerics.scaler import LossScaler
 from zerotrain.optim import build_optimizer, is_elementwise
 from zerotrain.optim.groups import group_hyperparameters
 from zerotrain.optim.schedule import lr_from_config
-from zerotrain.zero import Strategy, build_strategy, run_shape
-from zerotrain.zero.lazy import swap_lazy, tiered_state
-from zerotrain.zero.state import WeightReader
+from zerotrain.zero import Strategy, WeightReader, build_strategy, run_shape, swap_lazy
 
 #: optimizer steps during which each phase's peak memory is measured
 PHASE_STEPS = 2
@@ -243,8 +241,7 @@ class Engine(DeepSpeedAPI):
         self.last_traffic = self.comm.counter.snapshot()
         c = self.comm.counter  # inter: the bytes that crossed nodes
         self.last_traffic_bytes, self.last_inter_bytes, _ = c.total(), c.inter(), c.reset()
-        tier_bytes = getattr(self.strategy, "tier_bytes", None)  # stage 3 with a tier
-        self.last_tier_bytes = tier_bytes() if tier_bytes is not None else {}
+        self.last_tier_bytes = self.strategy.tier_bytes()  # offload tiers that move bytes
         skipped_total = self.scaler.skipped + (self.spike_guard.skipped if self.spike_guard
                                                else 0)
         self.last_info = StepInfo(self.global_step, lr, grad_norm, not finite or bool(spike),
@@ -300,8 +297,9 @@ class Engine(DeepSpeedAPI):
         (parameter names, shapes, tied aliases), so a checkpoint can be checked and cut
         again for another world size or stage without the model.
         """
-        strategy, away = tiered_state(self.strategy) if lazy else (self.strategy.state_dict(), {})
-        return swap_lazy({  # `lazy`: the states in an offload tier as `zero.lazy.Lazy`
+        away = self.strategy.lazy_states() if lazy else {}  # states in an offload tier
+        strategy = self.strategy.state_dict(lazy=bool(away))
+        return swap_lazy({  # `lazy`: the states in an offload tier as `zero.Lazy`
             "strategy": strategy,
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -326,7 +324,7 @@ class Engine(DeepSpeedAPI):
         self.strategy.load_state_dict(sd["strategy"])
         groups = self.optimizer.state_dict()["param_groups"]
         self.optimizer.load_state_dict({"state": sd["optimizer"]["state"], "param_groups": groups})
-        getattr(self.strategy, "fill_optimizer", lambda _: None)(self.optimizer)  # Lazy ones
+        self.strategy.fill_optimizer(self.optimizer)  # moments away in a tier: to their homes
         self.scaler.load_state_dict(sd["scaler"])
         self.global_step = int(sd["counters"]["global_step"])
         self.micro_step = int(sd["counters"]["micro_step"])

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from zerotrain.checkpoint import stream
 from zerotrain.comm.dist import patient_barrier
-from zerotrain.zero.lazy import Lazy
+from zerotrain.zero.tiers.lazy import Lazy
 
 FORMAT_VERSION = 2
 #: Formats no zerotrain writes any more, with how to get on from one. Format 1 (before

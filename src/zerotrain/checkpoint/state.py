@@ -52,7 +52,7 @@ from zerotrain.checkpoint.io import (
 from zerotrain.checkpoint.reshard import SCALAR_STATES, SavedShards
 from zerotrain.numerics.blockquant import BLOCK, n_blocks
 from zerotrain.zero.flat import gather_range
-from zerotrain.zero.lazy import Lazy, flat_slice
+from zerotrain.zero.tiers.lazy import Lazy, flat_slice
 
 #: Optimizer group options that say how to compute, not what: never compared.
 RUNTIME_OPTIONS = ("compiled",)

@@ -8,7 +8,7 @@ widest kind first (its enum order, descending), then by name. (Several metadata 
 safetensors writes in its hash map's varying order: the same bytes for at most one;
 checkpoints have none.)
 
-A value may be a `Lazy` tensor (zero/lazy.py): it is loaded just before its bytes are
+A value may be a `Lazy` tensor (zero/tiers/lazy.py): it is loaded just before its bytes are
 written and dropped right after, so a rank whose states live in an offload tier holds
 about one tensor of them at a time, never the whole state.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zerotrain.zero.lazy import Lazy
+from zerotrain.zero.tiers.lazy import Lazy
 
 #: safetensors' dtype names, in the order its files sort them (first written first)
 ORDER = ["U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3",

@@ -109,7 +109,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zerotrain.models.weights import WeightError
     from zerotrain.numerics.scaler import LossScaleError
     from zerotrain.run.setup import Diverged
-    from zerotrain.zero.tier_io import TierError
+    from zerotrain.zero.tiers.io import TierError
 
     return (UsageError, ConfigError, DataError, CheckpointError, LossScaleError, Diverged,
             NonFiniteOutput, WeightError, TierError)

@@ -29,7 +29,7 @@ def node_problems(cfg: Any, world: int) -> list[str]:
 
 def secondary_partition_problem(k: int, node: int, world: int) -> str | None:
     """Why hpZ's groups of `k` ranks cannot be cut from nodes of `node` ranks, or None
-    (the launcher's check above and the strategy's own, zero/hpz.py)."""
+    (the launcher's check above and the strategy's own, zero/params/hpz.py)."""
     if node % k or world % k:
         return (f"zero.secondary_partition ({k}) must divide comm.node_size ({node}): hpZ "
                 f"keeps a copy per group of K ranks inside a node; use a divisor of {node}")

@@ -36,7 +36,7 @@ class RunShape:
     widest_param: int = 0       # elements of the largest parameter (autograd's fresh grad)
     reduce_bytes: int = 4       # bytes per element of a gradient on the wire
     gather_bytes: tuple[int, ...] = ()  # ZeRO-3: each unit's gathered bytes as its wire
-    #                              sends them (zero/wire.py); empty: params' bytes per element
+    #                              sends them (zero/params/wire.py); empty: params' bytes
     in_flight: int = 2          # reductions running during backward
     prefetch: bool = True       # ZeRO-3 gathers the next unit ahead
     high_water: bool = False    # a CPU process: resident set as a running maximum

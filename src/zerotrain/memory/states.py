@@ -55,7 +55,7 @@ def declared_offloads(offload_optimizer: str = "none", offload_param: str = "non
     GPU its gradient shard stays in host memory with nvme (it is written every
     micro-step and read once by the update, so it is kept where the update runs).
     `host_is_device` (a CPU-only run): host memory is the memory being saved, so there
-    the gradient shard goes to the disk with the optimizer (zero/infinity.TierGrads),
+    the gradient shard goes to the disk with the optimizer (zero/states/disk.TierGrads),
     and a `cpu` parameter tier is the device itself — nothing moves."""
     for name, v in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if v not in ("none", "cpu", "nvme"):

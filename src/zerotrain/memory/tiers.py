@@ -17,7 +17,7 @@ bf16-pure: the optimizer then updates a param-dtype copy, b_p), K (moments):
   the device for its use (one unit: with parameters off the device the gather waits for
   the tier's read, and it is that read which runs ahead, not a second gather).
 - **what the tiers hold in memory** (`tier_buffers`, per phase; the engine's residency,
-  zero/infinity.py): a tensor in a tier is brought into its own storage when fetched
+  zero/states/disk.py): a tensor in a tier is brought into its own storage when fetched
   and released when its write has landed, so beyond the states that stay in memory a
   rank holds, with w = max(1, p) writes in flight behind:
   - *init* — the unit being built: its parameter shard U·b_p (parameters off the

@@ -30,7 +30,7 @@ from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.io import latest_name
 from zerotrain.comm.launch import EXIT_INTERRUPTED
 from zerotrain.config import FaultConfig  # EX_TEMPFAIL: try again later
-from zerotrain.zero.lazy import Lazy
+from zerotrain.zero.tiers.lazy import Lazy
 
 _PR_SET_PDEATHSIG = 1
 __all__ = ["EXIT_INTERRUPTED", "Interrupted", "Preemption", "die_with_parent",

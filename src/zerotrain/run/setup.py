@@ -152,7 +152,7 @@ class Run:
         """What to change: the learning rate — or, with states in ZeRO-Infinity's swap
         files, those files, which nothing checks (a process or a failing disk that
         changes them under the run shows up as non-finite weights the next step)."""
-        tiers = getattr(self.engine.strategy, "moving_tiers", list)()
+        tiers = self.engine.strategy.moving_tiers()
         files = [str(f) for t in tiers if (f := getattr(t, "file", None)) is not None]
         lr = "Lower optimizer.lr (or use precision.dtype bf16)"
         if not files:

@@ -1,7 +1,7 @@
 """The launcher's check of ZeRO-Infinity's disk (`zero.nvme_path`) before any rank starts:
 a path that cannot hold the run's files is one error line, not one traceback per rank.
 
-The ranks check again when they cut their units (zero/infinity.py `reserve`, the exact
+The ranks check again when they cut their units (zero/states/disk.py `reserve`, the exact
 bytes), so a disk filling after this check still fails before the first step.
 """
 
@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from zerotrain.config import Config
-from zerotrain.zero.tier_io import TierError, free_bytes
+from zerotrain.zero.tiers.io import TierError, free_bytes
 
 
 def disk_bytes_per_rank(cfg: Config, world: int, device_type: str) -> int:

@@ -3,8 +3,8 @@
 `build_strategy` is the one place where other subsystems' facts (the optimizer's rule,
 pretrained weights coming, FP8 gathering, offload) become parts: the stage class (what it
 shards, `STAGES`), a placement (where gradients, masters and optimizer states live:
-zero/placement.py, `PLACEMENTS`), a `Partition`, an updater (zero/update.py), where first
-values come from (zero/init.py) and the parameters' wire (zero/wire.py). The strategy
+zero/states/home.py, `PLACEMENTS`), a `Partition`, an updater (zero/update.py), where first
+values come from (zero/init.py) and the parameters' wire (zero/params/wire.py). The strategy
 never sees a flag.
 """
 
@@ -15,23 +15,25 @@ from torch import nn
 
 from zerotrain.comm.collectives import Comm
 from zerotrain.config import ZeroConfig
-from zerotrain.memory import can_offload
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.base import Strategy
 from zerotrain.zero.build import build_units
 from zerotrain.zero.cut import run_shape
 from zerotrain.zero.ddp import DDP
-from zerotrain.zero.grad_wire import choose_grad_wire
-from zerotrain.zero.infinity import NvmeOffload, ParamTier, Streamed, Tiers
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.muon import MatrixOwners
-from zerotrain.zero.offload import HostOffload
+from zerotrain.zero.params.tiered import ParamTier
+from zerotrain.zero.params.wire import choose_wire
 from zerotrain.zero.partition import Partition
-from zerotrain.zero.placement import Kind, OnDevice, Placement
-from zerotrain.zero.tier import make_tier
+from zerotrain.zero.state import WeightReader
+from zerotrain.zero.states.disk import NvmeOffload, Tiers
+from zerotrain.zero.states.grad_wire import choose_grad_wire
+from zerotrain.zero.states.home import Kind, OnDevice, Placement
+from zerotrain.zero.states.host import HostOffload
+from zerotrain.zero.tiers.lazy import Lazy, swap_lazy
+from zerotrain.zero.tiers.tier import make_tier
 from zerotrain.zero.update import Elementwise, PerParameter, UnitByUnit, Updater
-from zerotrain.zero.wire import choose_wire
 from zerotrain.zero.zero1 import ZeRO1
 from zerotrain.zero.zero2 import ZeRO2
 from zerotrain.zero.zero3 import ZeRO3
@@ -43,14 +45,6 @@ PLACEMENTS: dict[str, type[Placement]] = {"none": OnDevice, "cpu": HostOffload,
                                           "nvme": NvmeOffload}
 
 
-#: every resident kind, by (stage, offloads anything): a catalogue made from the parts
-#: (the estimate's rows), not a class per combination; the nvme placement is not in it
-STRATEGIES: dict[tuple[int, bool], Kind] = {
-    (stage, bool(PLACEMENTS[p].offloads)): Kind(cls, PLACEMENTS[p])
-    for stage, cls in STAGES.items() for p in ("none", "cpu")
-    if not PLACEMENTS[p].offloads or can_offload(cls.shards)}
-
-
 def strategy_class(cfg: ZeroConfig) -> Kind:
     """The stage class and the placement of `cfg`."""
     return Kind(STAGES[cfg.stage], PLACEMENTS[cfg.offload_optimizer])
@@ -58,7 +52,7 @@ def strategy_class(cfg: ZeroConfig) -> Kind:
 
 def make_tiers(cfg: ZeroConfig, device: torch.device, rank: int, elementwise: bool
                ) -> Tiers | None:
-    """ZeRO-Infinity's parts (zero/infinity.py): where parameter shards live between uses
+    """ZeRO-Infinity's parts (zero/states/disk.py): where parameter shards live between uses
     and where the optimizer's states are streamed from; one NVMe tier serves both."""
     if cfg.offload_param == "none" and cfg.offload_optimizer != "nvme":
         return None
@@ -98,24 +92,37 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     kind = strategy_class(cfg)
     cls = kind.stage_class
     tiers = make_tiers(cfg, device, comm.rank, elementwise)  # the config allows them at stage 3
-    placement = kind.placement(device)
-    if isinstance(placement, NvmeOffload):
-        assert tiers is not None and tiers.opt is not None
-        placement.tier, placement.depth = tiers.opt, cfg.offload_prefetch
+    placement = kind.placement.make(device, tiers, cfg.offload_prefetch)
     part = Partition.of(comm)
     grads = placement.make_grads(cls, policy, cfg.in_flight(device.type))
     units = build_units(cls, model, plan, policy, part, cfg, device,
                         InitValues(model, plan, skip=pretrained), placement, tiers)
-    streamed = tiers is not None and tiers.opt is not None
-    updater = Streamed if streamed else choose_updater(kind, elementwise, placement)
-    extra = {"tiers": tiers} if tiers is not None else {}
-    return cls(model, plan, policy, part, cfg, device, units, grads, updater=updater,
+    extra = {"param_tier": tiers.params} if tiers is not None else {}
+    return cls(model, plan, policy, part, cfg, device, units, grads,
+               updater=choose_updater(kind, elementwise, placement),
                wire=choose_wire(cls.shards, plan, cfg, fp8_gather=fp8_gather),
                grad_wire=choose_grad_wire(comm, cls.shards, cfg.grad_wire),
                placement=placement, **extra)
 
-
-__all__ = ["DDP", "PLACEMENTS", "STAGES", "STRATEGIES", "HostOffload", "Kind", "NvmeOffload",
-           "OnDevice",
-           "Partition", "Placement", "Strategy", "ZeRO1", "ZeRO2", "ZeRO3", "build_strategy",
-           "choose_updater", "run_shape", "strategy_class"]
+__all__ = [
+    "DDP",
+    "PLACEMENTS",
+    "STAGES",
+    "HostOffload",
+    "Kind",
+    "Lazy",
+    "NvmeOffload",
+    "OnDevice",
+    "Partition",
+    "Placement",
+    "Strategy",
+    "WeightReader",
+    "ZeRO1",
+    "ZeRO2",
+    "ZeRO3",
+    "build_strategy",
+    "choose_updater",
+    "run_shape",
+    "strategy_class",
+    "swap_lazy",
+]

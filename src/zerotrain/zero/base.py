@@ -9,11 +9,12 @@ engine only calls:
     -> zero_grad()
 
 A strategy is composed from parts chosen once by `zero.build_strategy`: the `Partition`
-its units are cut across (zero/partition.py), the placement (zero/placement.py: on the
-device, or ZeRO-Offload's host memory) which makes the gradient store (`grads_class`,
-zero/grads.py) and the masters, the parameters' wire (zero/wire.py), where first values
-come from (zero/init.py) and the updater (zero/update.py: elementwise, unit by unit, or
-Muon's matrix owners). None of them is a flag the strategy branches on.
+its units are cut across (zero/partition.py), the placement (zero/states/home.py: on the
+device, ZeRO-Offload's host memory, or the disk) which makes the gradient store
+(`grads_class`, zero/states/grads.py) and the masters, the parameters' wire
+(zero/params/wire.py), where first values come from (zero/init.py) and the updater
+(zero/update.py: elementwise, unit by unit, or Muon's matrix owners). None of them is a
+flag the strategy branches on.
 
 Each stage file is a small subclass declaring what it shards (`shards`) and answering
 three questions — how parameters are cut into units (`cut`), what to send when a
@@ -38,17 +39,16 @@ from zerotrain.comm.collectives import Handle
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
-from zerotrain.optim import foreach
 from zerotrain.zero.cut import UnitSpec, buckets
 from zerotrain.zero.flat import NamedParams, Segment
-from zerotrain.zero.grad_wire import PlainGradWire
-from zerotrain.zero.grads import FullGrads
+from zerotrain.zero.params.wire import PlainWire
 from zerotrain.zero.partition import Partition
-from zerotrain.zero.placement import Kind, OnDevice, Placement
 from zerotrain.zero.state import StrategyState
+from zerotrain.zero.states.grad_wire import PlainGradWire
+from zerotrain.zero.states.grads import FullGrads
+from zerotrain.zero.states.home import Kind, OnDevice, Placement
 from zerotrain.zero.unit import Unit
 from zerotrain.zero.update import Elementwise, Updater
-from zerotrain.zero.wire import PlainWire
 
 
 class Strategy(StrategyState):
@@ -65,7 +65,7 @@ class Strategy(StrategyState):
         """Finished `units` and their gradient store `grads` (zero/build.py makes both),
         and the parts `zero.build_strategy` chose: `updater`, how the optimizer meets the
         master weights; `wire`, how gathered parameters travel (ZeRO-3); `grad_wire`, how
-        the gradient reduce-scatter travels (ZeRO++'s qgZ, zero/grad_wire.py); `placement`,
+        the gradient reduce-scatter travels (ZeRO++'s qgZ, zero/states/grad_wire.py); `placement`,
         where gradients, masters and optimizer states live (the one that made `grads`)."""
         assert part.comm is not None, "a strategy talks to its partition's ranks"
         self.placement = placement or OnDevice(device)
@@ -81,6 +81,7 @@ class Strategy(StrategyState):
         self.grads, self.units = grads, units
         self.updater = updater(self)
         self.opt_segments: list[tuple[Segment, Tensor]] = self.updater.views()
+        self.placement.attach(units, self.opt_segments)
         self._pending: list[tuple[Handle, Callable[[], None] | None]] = []
         self._communicate = True
         self._callback_queued = False
@@ -115,8 +116,24 @@ class Strategy(StrategyState):
     def describe(self) -> list[str]:
         """Lines for the run's start about how this strategy was composed (empty: nothing
         beyond the config to say)."""
-        line = self.updater.describe()
-        return [line] if line else []
+        lines = [self.updater.describe(), self.placement.describe()]
+        return [line for line in lines if line] + [
+            line for t in self.moving_tiers() for line in t.describe()]
+
+    # ================================================================ tiers (ZeRO-Infinity)
+    def moving_tiers(self) -> list[Any]:
+        """The tiers that really move bytes (each once: parts may share one)."""
+        found = self.placement.moving_tiers()
+        return list({id(t): t for t in found}.values())
+
+    def tier_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes each tier read and wrote since the last call (the engine's step)."""
+        return {t.kind: t.counter.take() for t in self.moving_tiers()}
+
+    def fill_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer's load: moments read from a checkpoint go to their home."""
+        self.placement.use(optimizer)
+        self.placement.fill_optimizer()
 
     # ================================================================ stage questions
     @classmethod
@@ -251,15 +268,18 @@ class Strategy(StrategyState):
         """Gradient covering `opt_range(u)`, in the coordinates of `u.master`."""
         return self.grads.owned(u, *self.opt_range(u))
 
+    def _owned_grads(self) -> list[Tensor]:
+        return [self.owned_grad(u) for u in self.units]
+
     def grad_norm_sq(self) -> float:
         """Squared global L2 norm of the (still scaled) gradient, identical on every rank."""
-        local = foreach.sum_of_squares([self.owned_grad(u) for u in self.units], self.host)
+        local = self.grads.norm_sq(self.units, self._owned_grads, self.host)
         if self.shards_optimizer:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]
         return float(local)
 
     def scale_grads(self, factor: float) -> None:
-        foreach.scale_([self.owned_grad(u) for u in self.units], factor)
+        self.grads.scale(self._owned_grads, factor)
 
     def attach_grads(self, segments: list[tuple[Segment, Tensor]] | None = None) -> None:
         """Point each optimizer tensor's .grad (of `segments`, default all) at its slice of
@@ -299,6 +319,7 @@ class Strategy(StrategyState):
         if hook is not None:
             optimizer.before_first_step = None
             hook()
+        self.placement.use(optimizer)
         self.updater.step(optimizer)
 
     def after_step(self) -> None:
@@ -332,8 +353,12 @@ class Strategy(StrategyState):
         yield
 
     def close(self) -> None:
-        self.placement.close()
-        self.comm.close()
+        try:
+            self.placement.close()
+            self.comm.close()
+        finally:
+            for t in self.moving_tiers():
+                t.close()
 
 
 def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:

@@ -20,10 +20,10 @@ from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.zero.cut import align_for, trainable
-from zerotrain.zero.grads import FullGrads
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.partition import Partition
-from zerotrain.zero.placement import Placement
+from zerotrain.zero.states.grads import FullGrads
+from zerotrain.zero.states.home import Placement
 from zerotrain.zero.unit import ShardedUnit, Unit
 
 
@@ -35,7 +35,7 @@ class Masters:
                  share: bool = False):
         """`separate`: a master is never the parameters themselves (a tier moves those);
         `share`: it is, wherever the placement puts masters (ZeRO-Infinity's shared
-        tier, zero/infinity.py `Tiers.shares`)."""
+        tier, zero/states/disk.py `Tiers.shares`)."""
         self.policy, self.placement = policy, placement
         self.separate, self.share = separate, share
 
@@ -57,7 +57,7 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
                 placement: Placement, tiers: Any = None) -> list[Unit]:
     """Every unit of `cls`'s cut, materialised, with gradient storage and a master (both
     where `placement` puts them; its `grads` is the store made by `make_grads`); with
-    ZeRO-Infinity's `tiers` (zero/infinity.py), each unit goes to its tiers once built."""
+    ZeRO-Infinity's `tiers` (zero/states/disk.py), each unit goes to its tiers once built."""
     grads = placement.grads
     assert grads is not None, "the placement makes the gradient store first"
     named = trainable(model, plan)

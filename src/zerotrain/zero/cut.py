@@ -31,8 +31,8 @@ from zerotrain.numerics.blockquant import BLOCK
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import resolve_compile, state_bytes_per_param
 from zerotrain.zero.flat import NamedParams, flat_end
-from zerotrain.zero.tier_io import ALIGN, aligned
-from zerotrain.zero.wire import PlainWire, choose_wire
+from zerotrain.zero.params.wire import PlainWire, choose_wire
+from zerotrain.zero.states.disk import io_bytes
 
 #: (unit name, its parameters, extra Unit fields)
 UnitSpec = tuple[str, NamedParams, dict]
@@ -122,13 +122,6 @@ def align_for(device_type: str, policy: PrecisionPolicy) -> int:
 UPDATE_TEMP_BYTES = 4
 
 
-def tier_io_bytes(z: ZeroConfig) -> int:
-    """The disk tier's block-I/O buffers: one block per I/O thread (tier_io.BlockIO's
-    page-aligned bounce buffer; buffered I/O, nvme_direct false, needs none)."""
-    return 0 if z.nvme_direct is False else z.nvme_threads * max(
-        ALIGN, aligned(int(z.nvme_block_mb * 2**20)))
-
-
 def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
               world: int) -> RunShape:
     """The shape of a run of strategy kind `cls` (`zero.placement.Kind`: its stage's
@@ -160,7 +153,7 @@ def run_shape(cls, cfg: Config, model: nn.Module, plan: Plan, device_type: str,
     return RunShape(
         numels, world, bpp, cls.shards, cls.offloads | offloads, disk,
         offload_prefetch=cfg.zero.offload_prefetch, micro_steps=cfg.data.grad_accum_steps,
-        tier_io=tier_io_bytes(cfg.zero) if disk else 0,
+        tier_io=io_bytes(cfg.zero) if disk else 0,
         update_temp=0 if compiled else UPDATE_TEMP_BYTES,
         largest_unit=max(numels),
         widest_param=widest, reduce_bytes=policy.reduce_dtype.itemsize, gather_bytes=gather,

@@ -20,6 +20,11 @@ from zerotrain.zero.flat import gather_range
 if TYPE_CHECKING:
     from zerotrain.zero.unit import Unit
 
+def _value(v: Any) -> Tensor:
+    """A checkpoint's tensor, read now if it is a `tiers.lazy.Lazy`."""
+    return v.load() if hasattr(v, "load") else v
+
+
 #: read(name, start, stop) -> elements [start, stop) of parameter `name`, flattened
 WeightReader = Callable[[str, int, int], Tensor]
 
@@ -51,14 +56,19 @@ class StrategyState:
         the replicated state is on disk once, written by all ranks in parallel."""
         return u.shard_range
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, lazy: bool = False) -> dict[str, Tensor]:
+        """`lazy`: masters away in a tier stay there (the caller wraps them:
+        `lazy_states`); else they are brought back first."""
+        if not lazy:
+            self.placement.resident()
         return {f"master.{u.index}": u.master for u in self.units}
 
-    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            for u in self.units:
-                u.master.copy_(sd[f"master.{u.index}"])
-        self.publish_all()
+    def lazy_states(self) -> dict[int, Any]:
+        """By id of its tensor: every master and moment away in a tier (its home's)."""
+        return self.placement.lazy_states()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._fill_masters(lambda u: _value(sd[f"master.{u.index}"]))
 
     def load_weights(self, read: WeightReader, only: set[int] | None = None) -> None:
         """Fill this rank's master range of every unit (or of the units indexed in `only`)
@@ -67,19 +77,38 @@ class StrategyState:
         `read` is asked only for the elements this rank keeps, so a sharded source
         (resharded checkpoint, safetensors slices) is never materialised in full.
         """
+        self._fill_masters(lambda u: gather_range(u.layout(), *self.opt_range(u), read,
+                                                  u.master.dtype), only)
+
+    def _fill_masters(self, value: Callable[[Unit], Tensor], only: set[int] | None = None
+                      ) -> None:
+        """Each unit's master from `value(u)`, published; a home that keeps masters in a
+        tier gets each one back before the next unit's is read (no-ops elsewhere)."""
+        home = self.placement
+        home.lazy_states()  # the optimizer's current moments bound to their homes
         with torch.no_grad():
             for u in self.units_of_index(only):
-                lo, hi = self.opt_range(u)
-                u.master.copy_(gather_range(u.layout(), lo, hi, read, u.master.dtype))
-        self.publish_all()
+                home.claim(u)
+                u.master.copy_(value(u))
+                self.publish(u)
+                home.evict(u)
+                home.settle(u)
+            self.wait_pending()
+        self.after_publish()
 
     def units_of_index(self, only: set[int] | None) -> list:
         return list(self.units) if only is None else [u for u in self.units
                                                       if u.index in only]
 
     def weights_finite(self) -> bool:
-        """Whether every rank's master weights are finite (collective; before a save)."""
-        bad = any(not bool(torch.isfinite(u.master).all()) for u in self.units)
+        """Whether every rank's master weights are finite (collective; before a save);
+        masters away in a tier are read one at a time."""
+        away = self.lazy_states()
+
+        def master(u: Unit) -> Tensor:
+            v = away.get(id(u.master))
+            return u.master if v is None else v.load()
+        bad = any(not bool(torch.isfinite(master(u)).all()) for u in self.units)
         return float(self.comm.all_reduce_scalars([float(bad)], op="max")[0]) == 0.0
 
     def publish_all(self) -> None:

@@ -6,9 +6,11 @@ optimizer sees (`views`, `param_groups`) and how one step runs (`step`):
 - `Elementwise`: attach every owned gradient, one `optimizer.step()`, detach. The views
   are one flat run per (unit, group), or one tensor per parameter (`per_param`: a rule
   that needs shapes, at a stage that does not shard it).
-- `UnitByUnit` (Offload on a GPU): the same elementwise update, one unit at a time, each
-  unit published as soon as the CPU has updated it, so its host-to-device copy (and,
-  below ZeRO-3, its all-gather) runs while the CPU updates the next one.
+- `UnitByUnit` (Offload on a GPU, and the disk home): the same elementwise update, one
+  unit at a time, each unit published as soon as the CPU has updated it, so its
+  host-to-device copy (and, below ZeRO-3, its all-gather) runs while the CPU updates the
+  next one. Through the home's residency hooks (zero/states/home.py; no-ops but on the
+  disk) the units ahead are read while one updates and each is written back behind.
 - `MatrixOwners` (zero/muon.py): each matrix updated whole by one owner rank.
 
 The builder (`zero/__init__.py`) picks one from the facts it depends on; the strategy
@@ -17,14 +19,40 @@ never asks which.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from zerotrain.comm.collectives import Comm
+from zerotrain.models.plan import Plan
 from zerotrain.zero.flat import Segment
+from zerotrain.zero.states.home import Placement
+from zerotrain.zero.unit import Unit
 
 Views = list[tuple[Segment, Tensor]]
+
+
+class StepView(Protocol):
+    """What an updater may use of the strategy that owns it — nothing else (the strategy
+    hands itself as this view; tests/test_layers.py keeps the stage above its parts)."""
+
+    units: list[Any]
+    opt_segments: Views
+    placement: Placement  # the home: residency hooks, views by unit
+    comm: Comm
+    plan: Plan
+    device: torch.device
+    host: torch.device
+    rank: int
+    world: int
+
+    def opt_range(self, u: Unit) -> tuple[int, int]: ...
+    def owned_grad(self, u: Unit) -> Tensor: ...
+    def attach_grads(self, segments: Views | None = None) -> None: ...
+    def detach_grads(self) -> None: ...
+    def publish(self, u: Unit) -> None: ...
+    def fence_master(self, u: Unit) -> None: ...
 
 
 class Updater:
@@ -33,25 +61,25 @@ class Updater:
     per_param = False
     publishes = False  # True: `step` publishes every unit itself (after_step does not)
 
-    def __init__(self, strategy: Any):
-        """`strategy`: the `zero.base.Strategy` this updates (untyped: base imports this
-        module) — its units, `opt_range`, `opt_segments`, `attach_grads`, `publish`."""
+    def __init__(self, strategy: StepView):
+        """`strategy`: the view of the `zero.base.Strategy` this updates (`StepView`)."""
         self.s = strategy
 
     def views(self) -> Views:
         """(segment, master view) per optimizer tensor, in optimizer order (by group:
         checkpoints rely on it)."""
         s, out = self.s, []
-        for u in s.units:
-            lo, hi = s.opt_range(u)
-            for seg in u.segments(lo, hi, per_param=self.per_param):
-                view = u.master[seg.start - lo:seg.end - lo]
-                if seg.param is not None:
-                    view = view.view(seg.param.shape)
-                # where the view starts in the model (unit, offset): stochastic rounding
-                # draws each element's bits from it, so any cut rounds alike
-                view.zt_origin = (u.index << 40) + seg.start
-                out.append((seg, view))
+        with s.placement.sized():  # masters away in a tier: sized while cut
+            for u in s.units:
+                lo, hi = s.opt_range(u)
+                for seg in u.segments(lo, hi, per_param=self.per_param):
+                    view = u.master[seg.start - lo:seg.end - lo]
+                    if seg.param is not None:
+                        view = view.view(seg.param.shape)
+                    # where the view starts in the model (unit, offset): stochastic
+                    # rounding draws each element's bits from it, so any cut rounds alike
+                    view.zt_origin = (u.index << 40) + seg.start
+                    out.append((seg, view))
         return sorted(out, key=lambda sv: sv[0].group)
 
     def param_groups(self, groups: list[dict], options: dict[int, dict]) -> list[dict]:
@@ -65,10 +93,6 @@ class Updater:
     def describe(self) -> str | None:
         """One line for the run's start, or None when there is nothing to say."""
         return None
-
-    def resident(self) -> None:
-        """Bring what the optimizer keeps in a tier back to memory (before a checkpoint
-        reads or writes it; `zero.infinity.Streamed`). Here: it is in memory already."""
 
     def summary(self) -> dict[str, Any] | None:
         return None
@@ -85,19 +109,31 @@ class PerParameter(Elementwise):
 
 
 class UnitByUnit(Updater):
-    """Offload on a GPU: step and publish one unit at a time (the module docstring)."""
+    """Step and publish one unit at a time (the module docstring)."""
 
     publishes = True
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        s = self.s
-        by_unit: dict[int, Views] = {}
-        for seg, view in s.opt_segments:
-            by_unit.setdefault(seg.unit, []).append((seg, view))
-        for u in s.units:
+        s, home = self.s, self.s.placement
+        by_unit = home.by_unit
+        order = list(s.units)
+        for u in order:  # states replaced by a load since the last step
+            home.bind(u)
+        d = home.depth
+        for u in order[:d]:
+            home.fetch(u, grad=True)
+        for k, u in enumerate(order):
+            if k + d < len(order):
+                home.fetch(order[k + d], grad=True)  # read ahead
+            home.ready(u, grad=True)
             if u.index in by_unit:
                 s.attach_grads(by_unit[u.index])
                 optimizer.step()
                 s.detach_grads()
+                home.bind(u)  # first step: new moments
             s.publish(u)
-
+            home.evict(u)  # write behind
+            if k >= 1:
+                home.settle(order[k - 1])
+        for u in order[-1:]:
+            home.settle(u)

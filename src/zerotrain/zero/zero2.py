@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from zerotrain.config.zero_facts import STAGE_SHARDS
 from zerotrain.numerics.precision import PrecisionPolicy
-from zerotrain.zero.grads import ShardedGrads
+from zerotrain.zero.states.grads import ShardedGrads
 from zerotrain.zero.unit import Unit
 from zerotrain.zero.zero1 import ZeRO1
 

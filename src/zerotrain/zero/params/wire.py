@@ -1,7 +1,7 @@
 """How ZeRO-3's parameters travel when a unit is gathered: one part, chosen once.
 
 `PlainWire`: the parameter dtype as it is. `Fp8Gather`: the plan's FP8-linear weights as
-one byte per element (zero/fp8_wire.py), re-packed after every update. `choose_wire` is
+one byte per element (zero/params/fp8_wire.py), re-packed after every update. `choose_wire` is
 where the config picks one (`zero.build_strategy` and `zero.run_shape` only call it):
 another wire (int8 with per-block scales, ZeRO++'s qwZ) is one more class with these
 methods — `element_bytes` is its memory term — and one more line there, all in this file.
@@ -19,8 +19,8 @@ from zerotrain.comm.collectives import Comm
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.wire_quant import BLOCK
-from zerotrain.zero.fp8_wire import Fp8Wire, refresh_all
-from zerotrain.zero.int8_wire import Int8Wire
+from zerotrain.zero.params.fp8_wire import Fp8Wire, refresh_all
+from zerotrain.zero.params.int8_wire import Int8Wire
 from zerotrain.zero.unit import ShardedUnit
 
 
@@ -69,7 +69,7 @@ class Fp8Gather(PlainWire):
 @dataclass(frozen=True)
 class Int8Gather(PlainWire):
     """ZeRO++'s qwZ (`zero.param_wire: int8`): every parameter as int8 codes with one
-    fp32 scale per block of 256 (zero/int8_wire.py)."""
+    fp32 scale per block of 256 (zero/params/int8_wire.py)."""
 
     name = "int8"
 

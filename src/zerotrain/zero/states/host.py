@@ -1,4 +1,4 @@
-"""ZeRO-Offload — a placement (zero/placement.py) for ZeRO-2 or ZeRO-3: the optimizer's world
+"""ZeRO-Offload — a placement (zero/states/home.py) for ZeRO-2 or ZeRO-3: the optimizer's world
 moves to host memory.
 
 The gradient shard, the FP32 master shard and the optimizer states live in host memory;
@@ -34,8 +34,8 @@ from zerotrain.memory.host import (  # noqa: F401 (here before memory/host.py ha
     release_host_buffer,
 )
 from zerotrain.numerics.precision import PrecisionPolicy
-from zerotrain.zero.grads import FullGrads, ShardedGrads
-from zerotrain.zero.placement import Placement
+from zerotrain.zero.states.grads import FullGrads, ShardedGrads
+from zerotrain.zero.states.home import Placement
 from zerotrain.zero.unit import Unit
 
 

@@ -82,7 +82,7 @@ class LoadMeter:
 
 
 def from_tier(p: Any) -> Lazy:
-    """A tensor that lives in an offload tier (`zero.tier.Placed`), read from it straight
+    """A tensor that lives in an offload tier (`zero.tiers.placed.Placed`), read from it straight
     into fresh host memory when loaded; the tensor's own state (away, clean) is left as
     it is. The read is the checkpoint's: it is not counted in the step's tier bytes."""
     t = p.t
@@ -115,11 +115,3 @@ def swap_lazy(x: Any, lazy: dict[int, Lazy]) -> Any:
     if isinstance(x, dict):
         return {k: swap_lazy(v, lazy) for k, v in x.items()}
     return x
-
-
-def tiered_state(strategy: Any) -> tuple[dict[str, Tensor], dict[int, Lazy]]:
-    """(the strategy's state dict, its tensors that live in a tier as `Lazy` by id) with
-    nothing brought back from the tier; without a tier: (state_dict(), {})."""
-    find = getattr(strategy, "lazy_states", None)
-    away = find() if find is not None else {}
-    return (strategy.state_dict(lazy=True) if away else strategy.state_dict()), away

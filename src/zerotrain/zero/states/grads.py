@@ -8,7 +8,7 @@ spread over the strategy:
 - `ShardedGrads` (stages 2–3): a unit's gradients land in a transient full-size bucket
   taken from a pool, which is reduce-scattered on every micro-step; only this rank's
   shard (`unit.grad`) persists, and accumulation happens there. Offload's `HostGrads`
-  (zero/offload.py) keeps the shard in host memory.
+  (zero/states/host.py) keeps the shard in host memory.
 
 Both answer the same questions: where does a parameter's gradient accumulate
 (`target`), what the optimizer reads (`unit.grad`, in the coordinates of
@@ -57,6 +57,15 @@ class FullGrads:
         foreach.zero_([u.grad for u in units])
         for u in units:
             u.grad_dirty = False
+
+    def norm_sq(self, units: list[Unit], owned: Callable[[], list[Tensor]],
+                device: torch.device) -> Tensor:
+        """Σ‖owned gradient‖² over this rank's share (a home that keeps the shards away
+        answers from norms taken as they landed)."""
+        return foreach.sum_of_squares(owned(), device)
+
+    def scale(self, owned: Callable[[], list[Tensor]], factor: float) -> None:
+        foreach.scale_(owned(), factor)
 
     def drain(self) -> None:
         """End of backward: finish any copy still landing (Offload on a GPU)."""

@@ -1,111 +1,50 @@
-"""ZeRO-Infinity: ZeRO-3's parameter shards and the optimizer's states in an offload tier.
+"""ZeRO-Infinity's disk home: masters and optimizer moments (and on a CPU the gradient
+shards) in the NVMe tier between uses (`zero.offload_optimizer: nvme`).
 
-Two parts, each over a `Tier` (zero/tier.py):
+The optimizer steps unit by unit (zero/update.py `UnitByUnit`) through this home's
+residency hooks: the units ahead are read while one updates (read-ahead of
+`offload_prefetch` units; 1: double buffering; 0: each read waited for), and each
+updated unit is written back while the next updates (write behind); at most prefetch + 2
+units' states are in memory at once. On a CPU the gradient shards live in the tier too
+(`TierGrads`); on a GPU they stay in host memory, as with ZeRO-Offload. Checkpoints see
+the same tensors as without a tier (read one at a time through `tiers.lazy`), so the
+format is tier-independent.
 
-- `ParamTier` (`zero.offload_param`): each unit's parameter shard lives in the tier
-  between uses. Before a unit's gather the shard is made ready (its load was started
-  `zero.offload_prefetch` units earlier, so it ran while those units computed), the
-  gather reads it, and the shard's memory is released at once — it is clean, the tier
-  holds the same bytes. After the optimizer step the new shard is written whole into
-  fresh memory (no read) and written back behind the next units' updates.
-- `Streamed` (`zero.offload_optimizer: nvme`): an updater that steps unit by unit with
-  each unit's master weights and optimizer moments in the tier: the units ahead are
-  read while one updates (read-ahead of `offload_prefetch` units; 1: double
-  buffering; 0: each read waited for), and each updated unit is written back while the
-  next updates (write behind); at most prefetch + 2 units' states are in memory at once.
-  On a CPU the gradient shards live in the tier too (`TierGrads`); on a GPU they stay
-  in host memory, as with ZeRO-Offload.
-
-Persistent units (under `zero.param_persistence_threshold`) keep their shard: it is a
-view of their gathered buffer. Checkpoints see the same tensors as without a tier
-(read one at a time through `zero.lazy`), so the format is tier-independent.
+`Tiers` is the build's record of ZeRO-Infinity's parts: the parameter tier
+(zero/params/tiered.py) and this home's tier, the disk reserved once for both.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from zerotrain.config import ZeroConfig
 from zerotrain.numerics.precision import PrecisionPolicy
 from zerotrain.optim import foreach
-from zerotrain.zero.grads import FullGrads, ShardedGrads
-from zerotrain.zero.offload import HostOffload
-from zerotrain.zero.tier import Placed, Tier
-from zerotrain.zero.update import UnitByUnit, Views
+from zerotrain.optim.compact import convert_state
+from zerotrain.zero.params.tiered import ParamTier
+from zerotrain.zero.states.grads import FullGrads, ShardedGrads
+from zerotrain.zero.states.host import HostOffload
+from zerotrain.zero.tiers.io import ALIGN, aligned
+from zerotrain.zero.tiers.lazy import Lazy, from_tier
+from zerotrain.zero.tiers.placed import Placed
+from zerotrain.zero.tiers.tier import Tier
 
 #: the most optimizer state per parameter among zerotrain's elementwise rules, in units
 #: of the fp32 master (RMSprop centered with momentum: 12 bytes): the disk reserved
 STATE_PER_MASTER = 3
 
 
-class ParamTier:
-    """Where ZeRO-3's parameter shards live between uses (see the module docstring)."""
-
-    def __init__(self, tier: Tier, depth: int):
-        self.tier, self.depth = tier, depth
-        self.placed: dict[int, Placed] = {}
-        self.writing: list[Placed] = []  # shards written back, oldest first
-        # (unit index, IOHandle) since the last step (bounded: evaluation has no step)
-        self.loads: deque[tuple[int, Any]] = deque(maxlen=4096)
-
-    @property
-    def moves(self) -> bool:
-        return self.tier.moves
-
-    def place(self, u: Any) -> None:
-        """A unit just built: its shard to the tier (so at most one unit's shard is ever
-        in memory at init)."""
-        if self.tier.moves and not u.persistent:
-            p = self.placed[u.index] = Placed(self.tier, f"unit{u.index}.shard", u.shard)
-            p.evict()
-            p.settle()
-
-    def fetch(self, u: Any) -> None:
-        p = self.placed.get(u.index) if u is not None else None
-        if p is not None and not p.resident:
-            p.fetch()
-            if p.loading is not None:
-                self.loads.append((u.index, p.loading))
-
-    def ready(self, u: Any) -> None:
-        p = self.placed.get(u.index)
-        if p is not None:
-            self.fetch(u)
-            p.ready()
-
-    def release(self, u: Any) -> None:
-        """The gather has read the shard: drop it (clean, so no write)."""
-        p = self.placed.get(u.index)
-        if p is not None:
-            p.evict()
-            p.settle()
-
-    def overwrite(self, u: Any) -> None:
-        """Memory for a shard about to be written whole (the publish): no read."""
-        p = self.placed.get(u.index)
-        if p is not None:
-            p.settle()
-            p.claim()
-
-    def written(self, u: Any) -> None:
-        """The publish wrote the shard: send it back (write behind; a shard's memory is
-        released once `depth` (at least one) newer writes have started)."""
-        p = self.placed.get(u.index)
-        if p is not None:
-            p.evict()
-            self.writing.append(p)
-            while len(self.writing) > max(1, self.depth):
-                self.writing.pop(0).settle()
-
-    def settle_all(self) -> None:
-        for p in self.writing:
-            p.settle()
-        self.writing.clear()
-        self.loads.clear()
+def io_bytes(z: ZeroConfig) -> int:
+    """The disk tier's block-I/O buffers: one block per I/O thread (tiers/io.BlockIO's
+    page-aligned bounce buffer; buffered I/O, nvme_direct false, needs none)."""
+    return 0 if z.nvme_direct is False else z.nvme_threads * max(
+        ALIGN, aligned(int(z.nvme_block_mb * 2**20)))
 
 
 class Tiers:
@@ -217,13 +156,15 @@ class TierGrads(ShardedGrads):
             p.settle()
         self.writing.clear()
 
-    def norm_sq(self, units: Sequence[Any], device: torch.device) -> Tensor:
-        """Σ‖shard‖² as `foreach.sum_of_squares` over the units' shards gives it."""
+    def norm_sq(self, units: Sequence[Any], owned: Callable[[], list[Tensor]],
+                device: torch.device) -> Tensor:
+        """Σ‖shard‖² as `foreach.sum_of_squares` over the units' shards gives it, from the
+        norms taken as each shard landed (the shards are in the tier)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
         return total + torch.stack([self.norms[u.index] for u in units]).double().square().sum()
 
-    def scale(self, factor: float) -> None:
-        self.factors.append(factor)
+    def scale(self, owned: Callable[[], list[Tensor]], factor: float) -> None:
+        self.factors.append(factor)  # applied as each shard is read back (`apply_scale`)
 
     def apply_scale(self, u: Any) -> None:
         for f in self.factors:
@@ -236,59 +177,58 @@ class TierGrads(ShardedGrads):
 
 
 class NvmeOffload(HostOffload):
-    """The placement of `zero.offload_optimizer: nvme` (zero/placement.py): ZeRO-Offload's,
-    with masters and moments — and on a CPU the gradient shards (`TierGrads`) — in the
-    NVMe tier between uses, streamed by the `Streamed` updater. Masters are plain host
-    memory, resizable (a pinned buffer's size is fixed): a GPU's publish copies from
-    pageable memory. `tier` and `depth` are set by `zero.build_strategy`."""
+    """The disk home (the module docstring): ZeRO-Offload's, with masters and moments —
+    and on a CPU the gradient shards (`TierGrads`) — in the NVMe tier between uses.
+    Masters are plain host memory, resizable (a pinned buffer's size is fixed): a GPU's
+    publish copies from pageable memory."""
 
     suffix = "-nvme"  # zero3-nvme: the strategy's name in logs and memory reports
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tiers: Tiers | None = None, depth: int = 1):
         super().__init__(device)
         self.steps_by_unit = True
-        self.tier: Tier = Tier()
-        self.depth = 1
+        self.tier: Tier = tiers.opt if tiers is not None and tiers.opt is not None else Tier()
+        self.depth = depth
+        #: placed while the units were built (zero/build.py through `Tiers.place`)
+        self.masters: dict[int, Placed] = tiers.masters if tiers is not None else {}
+        self.states: dict[tuple[int, int, str], Placed] = {}  # (unit, view #, name)
+        self.tier_grads: TierGrads | None = None
+
+    @classmethod
+    def make(cls, device: torch.device, tiers: Any = None, depth: int = 1) -> NvmeOffload:
+        return cls(device, tiers, depth)
 
     def make_grads(self, stage: Any, policy: PrecisionPolicy, in_flight: int) -> FullGrads:
         if self.gpu:  # the shards stay in (pinned) host memory, as with ZeRO-Offload
             return super().make_grads(stage, policy, in_flight)
-        self.grads = TierGrads(policy.grad_dtype, self.device, self.host,
-                               **stage.grads_options(policy, in_flight), tier=self.tier,
-                               depth=self.depth)
+        self.grads = self.tier_grads = TierGrads(
+            policy.grad_dtype, self.device, self.host, **stage.grads_options(policy, in_flight),
+            tier=self.tier, depth=self.depth)
         return self.grads
 
     def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.host)
 
-
-class Streamed(UnitByUnit):
-    """The optimizer step with masters and moments streamed from a tier, unit by unit."""
-
-    def __init__(self, strategy: Any):
-        super().__init__(strategy)
-        s = strategy
-        assert s.tiers.opt is not None
-        self.tier: Tier = s.tiers.opt
-        self.depth = s.cfg.offload_prefetch
-        self.masters: dict[int, Placed] = s.tiers.masters  # placed while the units were built
-        self.states: dict[tuple[int, int, str], Placed] = {}  # (unit, view #, name)
-
-    def views(self) -> Views:
-        """The optimizer's views of the masters, which are in their tier: each storage is
-        given its size back for the slicing (allocated, never touched: no memory is used)
-        and released again; the views stay valid, refilled in place by every fetch."""
-        away = [p for p in self.masters.values() if not p.resident]
-        for p in away:
-            p.t.untyped_storage().resize_(p.t.numel() * p.t.element_size())
-        out = super().views()
-        for p in away:
-            p.t.untyped_storage().resize_(0)
-        return out
+    def moving_tiers(self) -> list[Tier]:
+        return [self.tier] if self.tier.moves else []
 
     def describe(self) -> str | None:
         return (f"optimizer states streamed from the {self.tier.kind} tier unit by unit "
                 f"({self.depth} unit(s) read ahead, written behind)")
+
+    @contextmanager
+    def sized(self) -> Iterator[None]:
+        """Each master away in the tier is given its storage's size back while the
+        optimizer's views are cut (allocated, never touched: no memory is used) and
+        released again; the views stay valid, refilled in place by every fetch."""
+        away = [p for p in self.masters.values() if not p.resident]
+        for p in away:
+            p.t.untyped_storage().resize_(p.t.numel() * p.t.element_size())
+        try:
+            yield
+        finally:
+            for p in away:
+                p.t.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------ residency
     def _placed(self, u: Any) -> list[Placed]:
@@ -296,14 +236,16 @@ class Streamed(UnitByUnit):
         return own + [p for (i, _, _), p in self.states.items() if i == u.index]
 
     def _grad(self, u: Any) -> Placed | None:
-        g = self.s.grads
-        return g.placed.get(u.index) if isinstance(g, TierGrads) else None
+        g = self.tier_grads
+        return g.placed.get(u.index) if g is not None else None
 
-    def _bind_states(self, u: Any, views: Views) -> None:
+    def bind(self, u: Any) -> None:
         """Track the optimizer's tensors of `u`'s views (made at their first step, or
         replaced by a checkpoint load) as placed tensors that own their storage."""
-        opt = self.s._optimizer
-        for j, (_, view) in enumerate(views):
+        opt = self.optimizer
+        if opt is None:
+            return
+        for j, (_, view) in enumerate(self.by_unit.get(u.index, ())):
             for name, t in list(opt.state.get(view, {}).items()):
                 size = t.numel() if isinstance(t, Tensor) else 0  # int8: + block scales
                 if size <= 1 or (size != view.numel() and not name.endswith("~scale")):
@@ -330,8 +272,13 @@ class Streamed(UnitByUnit):
         g = self._grad(u) if grad else None
         for p in self._placed(u) + ([g] if g is not None else []):
             p.ready()
-        if g is not None:
-            self.s.grads.apply_scale(u)
+        if g is not None and self.tier_grads is not None:
+            self.tier_grads.apply_scale(u)
+
+    def claim(self, u: Any) -> None:
+        p = self.masters.get(u.index)
+        if p is not None:
+            p.claim()
 
     def evict(self, u: Any) -> None:
         for p in self._placed(u):
@@ -342,58 +289,47 @@ class Streamed(UnitByUnit):
             g.drop()  # used: the next backward's first landing writes it whole
 
     def settle(self, u: Any) -> None:
-        self.s.fence_master(u)  # an asynchronous publish (GPU) has read the master
+        self.fence(u)  # an asynchronous publish (GPU) has read the master
         for p in self._placed(u):
             p.settle()
 
     def placed_all(self) -> list[Placed]:
         """Every master and moment kept in the tier (the optimizer's new tensors bound)."""
-        s, by_unit = self.s, self._by_unit()
-        for u in s.units:
-            if u.index in by_unit and getattr(s, "_optimizer", None) is not None:
-                self._bind_states(u, by_unit[u.index])
-        return [p for u in s.units for p in self._placed(u)]
+        for u in self.units:
+            self.bind(u)
+        return [p for u in self.units for p in self._placed(u)]
+
+    def lazy_states(self) -> dict[int, Lazy]:
+        return {id(p.t): from_tier(p) for p in self.placed_all() if p.moves}
 
     def resident(self) -> None:
-        """Everything in memory (a load of weights from another source): the next step
-        sends it back. A checkpoint reads them one at a time instead (`lazy_states`)."""
+        """Everything in memory: the next step sends it back. A checkpoint reads them one
+        at a time instead (`lazy_states`)."""
         self.placed_all()
-        for u in self.s.units:
+        for u in self.units:
             self.fetch(u)
-        for u in self.s.units:
+        for u in self.units:
             self.ready(u)
             for p in self._placed(u):
                 p.dirty = True
 
-    def _by_unit(self) -> dict[int, Views]:
-        by_unit: dict[int, Views] = {}
-        for seg, view in self.s.opt_segments:
-            by_unit.setdefault(seg.unit, []).append((seg, view))
-        return by_unit
-
-    # ------------------------------------------------------------ the step
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        s = self.s
-        s._optimizer = optimizer
-        by_unit = self._by_unit()
-        order = list(s.units)
-        for u in order:  # states replaced by a load since the last step
-            if u.index in by_unit:
-                self._bind_states(u, by_unit[u.index])
-        for u in order[:self.depth]:
-            self.fetch(u, grad=True)
-        for k, u in enumerate(order):
-            if k + self.depth < len(order):
-                self.fetch(order[k + self.depth], grad=True)  # read ahead
-            self.ready(u, grad=True)
-            if u.index in by_unit:
-                s.attach_grads(by_unit[u.index])
-                optimizer.step()
-                s.detach_grads()
-                self._bind_states(u, by_unit[u.index])  # first step: new moments
-            s.publish(u)
-            self.evict(u)  # write behind
-            if k >= 1:
-                self.settle(order[k - 1])
-        for u in order[-1:]:
+    def fill_optimizer(self) -> None:
+        """The optimizer's `Lazy` moments read one unit at a time, each bound to its home
+        in the tier and sent back before the next."""
+        opt = self.optimizer
+        assert opt is not None
+        compact = getattr(opt, "compact", None)  # compact states keep their dtypes
+        keep = compact is not None and compact.active
+        for u in self.units:
+            for _, view in self.by_unit.get(u.index, ()):
+                st = opt.state.get(view, {})
+                for name, v in list(st.items()):
+                    if isinstance(v, Lazy):
+                        t = v.load().to(device=view.device)
+                        cast = view.is_floating_point() and not keep
+                        st[name] = t.to(view.dtype) if cast else t
+                if keep and st:
+                    convert_state(st, view, compact)
+            self.bind(u)
+            self.evict(u)
             self.settle(u)
