@@ -30,7 +30,7 @@ _LOCAL = threading.local()
 _COMPILED: dict[str, Callable] = {}
 _BROKEN = False
 #: compiled quantiser: codes by `blockquant.nearest`'s arithmetic (else by the lookup)
-ARITHMETIC = False
+ARITHMETIC = True
 
 
 def scratch(
