@@ -126,6 +126,15 @@ def test_stochastic_rounding_is_unbiased_and_deterministic() -> None:
     assert abs(r.mean().item() - x[0].item()) < 4e-5
     again = Q.stochastic_bf16(x[1000:2000], Q.noise16(1000, 1000, 7, x.device)).float()
     assert torch.equal(again, r[1000:2000])  # the bits depend on the index only
+    # the step's int32 form gives the same bits, also past 2^31 elements and at inf/NaN
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(5000, generator=g) * 10 ** (4 * torch.rand(5000, generator=g) - 2)
+    y[:3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+    for start in (0, 3 * 2**31 + 5):
+        out = torch.empty(5000, dtype=torch.bfloat16)
+        Q.stochastic_bf16_(y, out, start, 11)
+        ref = Q.stochastic_bf16(y, Q.noise16(start, 5000, 11, y.device))
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
 def _tiny_updates(update: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -207,6 +207,11 @@ def dequantize(codes_in: Tensor, scales_in: Tensor, signed: bool) -> Tensor:
 # ----------------------------------------------------------------------------- rounding
 
 
+def _i32(c: int) -> int:
+    """The 32-bit constant `c` as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
 def _hash32(x: Tensor) -> Tensor:
     """A 32-bit integer mix of int64 `x` (murmur3's finaliser), kept in int64."""
     m = 0xFFFFFFFF
@@ -214,6 +219,15 @@ def _hash32(x: Tensor) -> Tensor:
     x = ((x ^ (x >> 16)) * 0x85EBCA6B) & m
     x = ((x ^ (x >> 13)) * 0xC2B2AE35) & m
     return x ^ (x >> 16)
+
+
+def _hash32_(x: Tensor) -> Tensor:
+    """`_hash32` on int32 `x` in place, the same bits: int32 products wrap modulo 2^32
+    as the int64 ones are masked, and `>>` is made logical by masking off the sign's
+    copies. Half the bytes of the int64 form per pass."""
+    x.bitwise_xor_((x >> 16) & 0xFFFF).mul_(_i32(0x85EBCA6B))
+    x.bitwise_xor_((x >> 13) & 0x7FFFF).mul_(_i32(0xC2B2AE35))
+    return x.bitwise_xor_((x >> 16) & 0xFFFF)
 
 
 def seed_mix(seed: int, device: torch.device) -> Tensor:
@@ -232,6 +246,19 @@ def noise16(start: int, numel: int, seed: int, device: torch.device) -> Tensor:
     chunking, so stochastic rounding keeps replicas and world sizes equal."""
     idx = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     return noise_bits(idx, seed_mix(seed, device))
+
+
+def stochastic_bf16_(x: Tensor, out: Tensor, start: int, seed: int) -> None:
+    """`stochastic_bf16(x, noise16(start, x.numel(), seed))` into bf16 `out`, computed
+    in int32 (the same bits; the eager step's form: about half the time)."""
+    n = x.numel()
+    k = torch.arange(n, dtype=torch.int32, device=x.device)
+    base = (start * 0x9E3779B1 + int(seed_mix(seed, torch.device("cpu")))) & 0xFFFFFFFF
+    k.mul_(_i32(0x9E3779B1)).add_(_i32(base))  # (start + i)·C + mix, modulo 2^32
+    _hash32_(k).bitwise_and_(0xFFFF)
+    k.add_(x.view(torch.int32)).bitwise_and_(_i32(0xFFFF0000))
+    r = k.view(torch.float32)
+    out.copy_(torch.where(torch.isfinite(x), r, x))
 
 
 def stochastic_bf16(x: Tensor, noise: Tensor) -> Tensor:

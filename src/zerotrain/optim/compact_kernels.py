@@ -162,6 +162,9 @@ class Kernels:
     def stochastic(self, x: Tensor, w_out: Tensor, start: int, seed: int) -> None:
         """Store fp32 `x` as bf16, stochastically rounded with the bits of elements
         `start`, `start + 1`, … at `seed` (`blockquant.noise16`)."""
+        if not self.compiled or _BROKEN:  # eager: the int32 form, the same bits
+            Q.stochastic_bf16_(x, w_out, start, seed)
+            return
         dev = x.device
         start_t = torch.tensor(start, dtype=torch.int64, device=dev)
         _call("stochastic", self.compiled, x, w_out, start_t, Q.seed_mix(seed, dev))
