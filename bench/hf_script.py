@@ -4,7 +4,8 @@ bench/hf_compat.py: a small random-weight Llama saved to a local folder, loaded 
 a local dataset, `trainer.train()`, one save + resume, `save_model`. Writes per-step
 losses / lrs and the peak host RSS during from_pretrained as JSON.
 
-    python bench/hf_script.py OUT_DIR --ds ds.json --kind trainer|sft [--resume CKPT]
+    python bench/hf_script.py OUT_DIR --ds ds.json|none --kind trainer|sft [--resume CKPT]
+        [--eval-only]
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="trainer.evaluate() without train() (ZeRO inference)",
+    )
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
@@ -123,7 +129,7 @@ def main() -> None:
         save_strategy="steps",
         report_to=[],
         seed=0,
-        deepspeed=a.ds,
+        deepspeed=None if a.ds == "none" else a.ds,
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         save_only_model=False,
@@ -174,13 +180,16 @@ def main() -> None:
         )
     else:
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Record()])
-    trainer.train(resume_from_checkpoint=a.resume)
+    first = trainer.evaluate(eval_dataset=data.select(range(32))) if a.eval_only else {}
+    if not a.eval_only:  # (train() after evaluate() in one Trainer fails under DeepSpeed too)
+        trainer.train(resume_from_checkpoint=a.resume)
     trainer.save_model(str(out / "final"))
     rank = int(os.environ.get("RANK", "0"))
     (out / f"result_rank{rank}.json").write_text(
         json.dumps(
             {
                 "log": log,
+                "eval_loss": first.get("eval_loss"),
                 "from_pretrained_rss": rss,
                 "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             }

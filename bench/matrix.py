@@ -37,6 +37,8 @@ SHORT = {
     "labels": "lab",
     "optim": "opt",
     "accum": "acc",
+    "hpz": "hpZ",
+    "gwire": "qgZ",
 }
 
 

@@ -30,6 +30,8 @@ FACTORS: dict[str, tuple] = {
     "labels": ("all", "masked"),
     "optim": ("adamw", "muon"),
     "accum": (1, 2),
+    "hpz": (None, 2),
+    "gwire": ("plain", "int8", "int4"),
 }
 
 #: the setting each factor stands for: a refusal must name both of its pair's settings
@@ -46,6 +48,8 @@ SETTING = {
     "labels": "",
     "optim": "optimizer.name",
     "accum": "data.grad_accum_steps",
+    "hpz": "zero.secondary_partition",
+    "gwire": "zero.grad_wire",
 }
 WIRE_SETTING = {"fp8": "precision.fp8.all_gather", "int8": "zero.param_wire"}
 
@@ -67,6 +71,12 @@ REFUSED: dict[tuple, str] = {
     },
     **{p: "only ZeRO-3 shards parameters" for p in _not_stage3("tier", "none")},
     **{p: "only ZeRO-3 gathers parameters" for p in _not_stage3("wire", "plain")},
+    **{p: "hpZ keeps a second partition of ZeRO-3's parameters" for p in _not_stage3("hpz", None)},
+    **{p: "qgZ quantises ZeRO-3's gradient reduce-scatter" for p in _not_stage3("gwire", "plain")},
+    **{
+        p: "hpZ's and qgZ's groups are placed by node over every rank"
+        for p in [(("sp", 2), ("hpz", 2))] + [(("sp", 2), ("gwire", g)) for g in ("int8", "int4")]
+    },
     (("fp8", "off"), ("wire", "fp8")): "the FP8 wire carries the FP8 linears' weights",
 }
 
@@ -166,6 +176,10 @@ def covered(rows: list[dict], required: list[list[str]]) -> tuple[int, int]:
 
 
 FULL = [list(FACTORS)]
-#: the quick suite: the stage against every other factor, and the FP8 recipe against
-#: the FP8 wire (the pair that drifted silently, review 3 W-1)
-QUICK = [["stage", f] for f in FACTORS if f != "stage"] + [["fp8", "wire"]]
+#: the quick suite: the stage against every other factor, the FP8 recipe against the
+#: FP8 wire (the pair that drifted silently, review 3 W-1), and ZeRO++'s three options
+#: (the parameter wire, hpZ, qgZ) against each other
+QUICK = [["stage", f] for f in FACTORS if f != "stage"] + [
+    ["fp8", "wire"],
+    ["wire", "hpz", "gwire"],
+]

@@ -14,10 +14,16 @@ Tolerances, per option present (the largest applies; `TOL`):
   tier, activation checkpointing — the same operations on the same values;
 - reduce (1e-5 loss, 1e-4 params, relative): ZeRO stages, Offload, SP, tiles and
   accumulation — the same sums in another order (2 ranks, fp32);
-- int8 wire (5e-3, on the loss only): ZeRO++ qwZ quantises every gathered parameter,
-  a stated loss;
-and each row also equals its *twin* exactly (`twin_row`: the FP8 wire, the tier and
-checkpointing reset), which pins the bit-identical options beside the others — except
+- int8 wires (5e-3, on the loss only): ZeRO++ qwZ quantises every gathered parameter,
+  qgZ int8 the gradient sums between nodes — a stated loss (measured after 3 steps:
+  ≤ 1.6e-3 for qwZ, ≤ 1.7e-3 for qgZ int8);
+- qgZ int4 (3e-2, on the loss only): 15 levels per 256-element block, so each summed
+  gradient moves by up to 1/14 of its block's largest (measured: ≤ 1.3e-2);
+hpZ (`zero.secondary_partition`) and qgZ (`zero.grad_wire`) run with 2 emulated nodes
+(`comm.node_size`): 1 node of 2 for hpZ alone (its group: both ranks), 2 nodes of 1
+whenever qgZ is on (it quantises only between nodes; hpZ's group is then one rank);
+and each row also equals its *twin* exactly (`twin_row`: the FP8 wire, the tier,
+checkpointing and hpZ reset), which pins the bit-identical options beside the others — except
 the FP8 wire under the rowwise and delayed recipes, within 1e-6 (`twin_tolerance`).
 With FP8 on, tiles, SP and accumulation change which values share an FP8 scale (the
 amax of a tile, a slice, a micro-batch), so those runs' reference keeps them and only
@@ -54,10 +60,18 @@ BASE = {
 }
 
 #: reset for the reference; with FP8 on, the second group stays (it sets FP8's scales)
-PLACEMENT = {"stage": 0, "offload": "none", "tier": "none", "wire": "plain", "ckpt": False}
+PLACEMENT = {
+    "stage": 0,
+    "offload": "none",
+    "tier": "none",
+    "wire": "plain",
+    "ckpt": False,
+    "hpz": None,
+    "gwire": "plain",
+}
 LAYOUT = {"tiles": None, "sp": 1, "accum": 1}
-EXACT = ("wire", "tier", "ckpt")
-TOL = {"exact": 0.0, "reduce": 1e-4, "int8": 5e-3, "fp8_wire": 1e-6}
+EXACT = ("wire", "tier", "ckpt", "hpz")
+TOL = {"exact": 0.0, "reduce": 1e-4, "int8": 5e-3, "int4": 3e-2, "fp8_wire": 1e-6}
 
 
 def overrides(row: dict, nvme_dir: str | None = None, world: int = WORLD) -> dict:
@@ -82,7 +96,16 @@ def overrides(row: dict, nvme_dir: str | None = None, world: int = WORLD) -> dic
         fp8["recipe"] = row["fp8"]
     if row["wire"] == "int8":
         zero["param_wire"] = "int8"
+    comm = {}
+    if row["hpz"] or row["gwire"] != "plain":
+        # qgZ quantises only between nodes: with it on, 2 nodes of 1 rank (and hpZ's
+        # group is then 1 rank); hpZ alone: 1 node of 2, the group over both ranks
+        comm["node_size"] = 1 if row["gwire"] != "plain" else 2
+        zero["grad_wire"] = row["gwire"]
+        if row["hpz"]:
+            zero["secondary_partition"] = comm["node_size"]
     return {
+        "comm": comm,
         "data": data,
         "zero": zero,
         "precision": {"fp8": fp8},
@@ -105,7 +128,9 @@ def tolerance(row: dict) -> tuple[str, float]:
     """The tolerance class of `row` against its reference."""
     ref = reference_row(row)
     changed = [f for f in row if row[f] != ref[f]]
-    if row["wire"] == "int8":
+    if row["gwire"] == "int4":
+        return "int4", TOL["int4"]
+    if "int8" in (row["wire"], row["gwire"]):
         return "int8", TOL["int8"]
     if any(f not in EXACT for f in changed):
         return "reduce", TOL["reduce"]
@@ -188,6 +213,7 @@ def twin_row(row: dict) -> dict:
         **row,
         "tier": "none",
         "ckpt": False,
+        "hpz": None,
         "wire": "plain" if row["wire"] == "fp8" else row["wire"],
     }
 
@@ -271,7 +297,7 @@ def judge(row: dict, result: dict) -> dict:
     err = run.get("error") or base.get("error") or result.get("twin", {}).get("error")
     if err:
         return {**out, "error": err, "ok": False}
-    dev = deviation(run, base, losses_only=kind == "int8")
+    dev = deviation(run, base, losses_only=kind in ("int8", "int4"))
     finite = all(n == n and abs(n) != float("inf") for n in run["norms"])
     ok = finite and dev <= tol and run["audit"] is None
     if "twin" in result:

@@ -363,8 +363,14 @@ def test_refusals_name_the_problem():
         deepspeed.initialize(model=net, optimizer=used, config=ds_config(0, optimizer=False))
     with pytest.raises(ValueError, match="mpu"):
         deepspeed.initialize(model=Net(), mpu=object(), config=ds_config(0))
-    with pytest.raises(ValueError, match="no optimizer"):
-        deepspeed.initialize(model=Net(), config=ds_config(0, optimizer=False))
+    # no optimizer at all: DeepSpeed's ZeRO inference engine (forward only), as DeepSpeed
+    net = Net()
+    engine, opt, _, sched = deepspeed.initialize(model=net, config=ds_config(0, optimizer=False))
+    x = torch.randn(2, 8)
+    assert opt is None and sched is None and engine.module is net
+    assert torch.equal(engine(x), net(x))
+    with pytest.raises(RuntimeError, match="built without an optimizer"):
+        engine.step()
     net = Net()
     with pytest.raises(ValueError, match="in no optimizer group"):
         deepspeed.initialize(model=net, model_parameters=[net.head.weight], config=ds_config(0))

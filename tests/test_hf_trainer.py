@@ -118,3 +118,58 @@ def test_trainer_zero3_save_model_and_resume_at_another_world_size(tmp_path):
     resumed = load_file(tmp_path / "b" / "final" / "model.safetensors")
     for k in saved:
         torch.testing.assert_close(resumed[k], saved[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_trainer_evaluate_before_train_at_zero3(tmp_path):
+    """`trainer.evaluate()` with no `train()` (transformers' ZeRO inference: initialize
+    without an optimizer), 2 ranks: the eval loss equals a plain Trainer's (no DeepSpeed,
+    1 process) and `save_model` writes the loaded weights. Before: refused ("no
+    optimizer")."""
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hf_script
+
+    model = tmp_path / "llama"
+    hf_script.make_model_dir(model, 256, 32, 2)
+    ds = tmp_path / "z3.json"
+    z = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "zero_optimization": z,
+            }
+        )
+    )
+    launch(
+        2, [str(tmp_path / "zt"), "--ds", str(ds), "--model", str(model), "--eval-only"], tmp_path
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(tmp_path / "plain"),
+            "--ds",
+            "none",
+            "--model",
+            str(model),
+            "--eval-only",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads((tmp_path / "zt" / "result_rank0.json").read_text())["eval_loss"]
+    want = json.loads((tmp_path / "plain" / "result_rank0.json").read_text())["eval_loss"]
+    assert got == pytest.approx(want, rel=1e-6, abs=0)
+    saved = load_file(tmp_path / "zt" / "final" / "model.safetensors")
+    source = load_file(model / "model.safetensors")
+    assert saved.keys() == source.keys()
+    assert all(torch.equal(saved[k], source[k]) for k in source)

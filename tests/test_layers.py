@@ -281,7 +281,7 @@ ZERO_LAYERS = {
     "zerotrain.zero.tiers": 0,
     "zerotrain.zero.partition": 1, "zerotrain.zero.flat": 1, "zerotrain.zero.unit": 1,
     "zerotrain.zero.audit": 1, "zerotrain.zero.init": 1,
-    "zerotrain.zero.params": 2, "zerotrain.zero.states": 2,
+    "zerotrain.zero.params": 2, "zerotrain.zero.states": 2, "zerotrain.zero.experts": 2,
     "zerotrain.zero.base": 3, "zerotrain.zero.ddp": 3, "zerotrain.zero.zero1": 3,
     "zerotrain.zero.zero2": 3, "zerotrain.zero.zero3": 3, "zerotrain.zero.update": 3,
     "zerotrain.zero.muon": 3, "zerotrain.zero.state": 3, "zerotrain.zero.cut": 3,

@@ -1,6 +1,7 @@
 """The combination matrix, quick form (issue 29, item 2; the full form is bench/matrix.py).
 
-The ZeRO stage against every other option (and the FP8 recipe against the FP8 wire):
+The ZeRO stage against every other option (and the FP8 recipe against the FP8 wire,
+ZeRO++'s parameter wire, hpZ and qgZ against each other):
 every valid pair of their values in a 3-step run on 2 ranks that equals its reference
 (tests/matrix_run.py says which reference and tolerance each option gets), and every
 refused pair refused at config time in one line naming both settings.
@@ -23,7 +24,7 @@ def test_cover_covers_every_valid_pair_and_is_deterministic():
         assert need == got > 0
         assert rows == mp.cover(required)
         assert all(mp.valid(r) for r in rows)
-    # the generator is greedy, not exhaustive: far below the 41,472 full combinations
+    # the generator is greedy, not exhaustive: far below the 248,832 full combinations
     assert len(mp.cover(mp.FULL)) <= 30
     # independently of the plan's own pair bookkeeping: every valid pair, by brute force
     full = mp.cover(mp.FULL)
@@ -58,7 +59,7 @@ def test_refused_pairs_fail_at_config_time_in_one_line_naming_both(pair):
         alone = {**plain, half[0]: half[1]}
         if half[0] == "wire" and half[1] == "fp8":
             alone.update(stage=3, fp8="tensorwise")
-        elif half[0] in ("tier", "wire") and half[1] not in ("none", "plain"):
+        elif half[0] in ("tier", "wire", "hpz", "gwire") and half[1] not in ("none", "plain", None):
             alone["stage"] = 3
         elif half[0] == "offload" and half[1] == "cpu":
             alone["stage"] = 2

@@ -131,7 +131,7 @@ def test_preset_counts_total_and_active():
 @pytest.mark.parametrize("moe,extra,field", [
     ({"experts": 4, "top_k": 5}, {"arch": "llama"}, "model.moe.top_k"),
     ({"experts": 6, "expert_parallel": 4}, {"arch": "llama"}, "model.moe.expert_parallel"),
-    ({"experts": 8, "expert_parallel": 2}, {"arch": "llama"}, "model.moe.expert_parallel"),
+    ({"experts": 4, "expert_parallel": 2}, {"hf": "/some/folder"}, "model.moe"),
     ({"experts": 4}, {"arch": "gpt"}, "model.moe"),
     ({"experts": 4}, {"hf": "/some/folder"}, "model.moe"),
     ({"experts": 4}, {"arch": "llama", "bias": True}, "model.bias"),

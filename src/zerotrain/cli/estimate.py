@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from zerotrain.cli.args import (
@@ -21,6 +21,7 @@ from zerotrain.cli.args import (
     size_help,
 )
 from zerotrain.cli.estimate_compact import add_compact_flags, compact_rows, resolve_compact
+from zerotrain.cli.estimate_ep import expert_shape, whole_model
 from zerotrain.cli.estimate_peaks import peak_at, predict_peaks
 from zerotrain.cli.estimate_rows import (
     ROWS,
@@ -41,7 +42,9 @@ from zerotrain.memory import (
     shape_traffic,
     tier_traffic,
 )
+from zerotrain.memory.experts import expert_rows
 from zerotrain.zero.cut import model_size
+from zerotrain.zero.experts import ep_problem
 
 if TYPE_CHECKING:
     from zerotrain.config import Config
@@ -179,6 +182,9 @@ def _check_layout(cfg: Config, gpus: int) -> None:
         check_sequence_parallel(cfg.sequence.parallel, gpus)
     except ConfigError as e:
         raise UsageError(f"{e} (--gpus is the world size)") from None
+    ep = cfg.model.moe.expert_parallel if cfg.model.moe is not None else 1
+    if ep_problem(ep, gpus):
+        raise UsageError(f"{ep_problem(ep, gpus)} (--gpus is the world size)")
     d = cfg.data
     if d.document_mask and d.eos_token_id is None and d.tokenizer == "bytes" \
             and cfg.model.hf is None:
@@ -213,7 +219,7 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
     tile = pick(args.tile_tokens, lambda: cfg.sequence.tile_tokens, None)
     if tile is not None and tile < 1:
         raise UsageError(f"--tile-tokens must be >= 1, got {tile}")
-    psi, largest = model_size(mc)
+    psi, largest = model_size(whole_model(mc))  # every expert, whatever the EP degree
     from zerotrain.models import active_param_count
 
     active = active_param_count(mc)  # a MoE's top_k experts; = psi for a dense model
@@ -237,7 +243,7 @@ def _model_settings(args: argparse.Namespace, cfg: Config, pick: Callable[..., A
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     acts = config_activations(run_cfg, b, seq, device=args.device)
     return dict(psi=psi, active_params=active, largest_unit=largest, micro_batch=b,
-                config=run_cfg,
+                config=run_cfg, experts=expert_shape(mc, psi),
                 device=args.device, seq=seq, activation_checkpointing=ckpt, tile_tokens=tile,
                 activations=acts.peak, activations_saved=acts.saved,
                 activations_host=acts.host)
@@ -354,6 +360,12 @@ def _report(s: dict, rows: list[Row], args: argparse.Namespace) -> dict:
                 r["fits"] = max(r["peaks"]["init"], r["peaks"]["steady"]) <= s["gpu_mem"]
         out["rows"].append(r)
     out.pop("config", None)
+    ex = out.pop("experts", None)
+    if ex is not None:
+        act = 2 if s["precision"] in ("bf16", "fp16") else 4
+        out["expert_parallel"] = expert_rows(
+            replace(ex, world=s["world_size"]), s["micro_batch"] * s["seq"], act,
+            s["bytes_per_param"]["params"], s["micro_steps"])
     return out
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from zerotrain.cli.estimate_compact import compact_lines
 from zerotrain.cli.units import pick_unit, table_unit, unit_words
 from zerotrain.memory import FIELDS
+from zerotrain.memory.experts import expert_lines
 
 _W = 9  # column width
 _COLS = ["params", "grads", "master", "optim", "gathered", "activ", "TOTAL"]
@@ -246,6 +247,8 @@ def format_table(rep: dict) -> str:
     lines = [*_head(rep, unit), groups, head, "-" * len(head)]
     lines += [_row_line(r, unit[1], limits, lw, tiers) for r in rep["rows"]]
     lines += _notes(rep, unit)
+    if "expert_parallel" in rep:
+        lines += expert_lines(rep["expert_parallel"])
     if tiers:
         lines += _tier_traffic_lines(rep, unit, lw)
     lines += _peak_lines(rep, unit)

@@ -7,9 +7,18 @@ and concatenates the pieces it receives, in rank order, along `gather_dim`. The
 backward pass is the same exchange with the two dimensions swapped — the inverse
 permutation of the same bytes — so gradients cost exactly what the forward costs, and
 both go through `Comm.all_to_all` (byte-counted, ring or native).
+
+`all_to_all_rows` is expert parallelism's exchange (models/moe_parallel.py): rank r
+sends rows [sum(send[:d]), sum(send[:d+1])) to rank d, and receives `recv[s]` rows
+from rank s, concatenated in rank order. Its backward is the same exchange with the
+two split lists swapped. The splits differ by rank, so every rank learns its `recv`
+from a small equal-size exchange of counts first (the caller's), and every rank
+issues the same collectives whatever the counts — zeros included.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -54,3 +63,42 @@ def all_to_all_dims(comm: Comm, x: Tensor, scatter_dim: int, gather_dim: int, *,
     if comm.world_size == 1:
         return x
     return AllToAll.apply(x, comm, scatter_dim, gather_dim, purpose)
+
+
+def _exchange_rows(comm: Comm, x: Tensor, send: list[int], recv: list[int],
+                   purpose: str) -> Tensor:
+    row = math.prod(x.shape[1:])
+    # grad mode on, as on the comm thread where the ring cuts and fills its views (views
+    # made in an autograd forward's no-grad mode may not be written in grad mode)
+    with torch.enable_grad():
+        x = x.detach().contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        comm.all_to_all(out, x, [r * row for r in recv], [s * row for s in send],
+                        purpose=purpose).wait()
+    return out
+
+
+class AllToAllRows(torch.autograd.Function):
+    """`all_to_all_rows` as an autograd function: the backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm, send: list[int], recv: list[int],
+                purpose: str) -> Tensor:
+        ctx.comm, ctx.splits, ctx.purpose = comm, (send, recv), purpose
+        return _exchange_rows(comm, x, send, recv, purpose)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        send, recv = ctx.splits
+        return _exchange_rows(ctx.comm, grad, recv, send, ctx.purpose), \
+            None, None, None, None
+
+
+def all_to_all_rows(comm: Comm, x: Tensor, send: list[int], recv: list[int], *,
+                    purpose: str = "experts") -> Tensor:
+    """Send `send[d]` consecutive rows of `x` to rank d; receive `recv[s]` rows from
+    rank s (differentiable; uneven splits, zeros allowed). Every rank calls it, with
+    splits that agree pairwise (rank a's send[b] = rank b's recv[a])."""
+    if comm.world_size == 1:
+        return x
+    return AllToAllRows.apply(x, comm, list(send), list(recv), purpose)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_scalars", "all_to_all",
        "scatter", "broadcast")
-PURPOSES = ("grads", "params", "control", "other", "muon", "sequence")
+PURPOSES = ("grads", "params", "control", "other", "muon", "sequence", "experts")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
           torch.int32, torch.uint8, torch.int8, torch.bool)
 FIELDS = 5  # sequence number, operation, purpose, elements, dtype

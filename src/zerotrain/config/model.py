@@ -49,11 +49,8 @@ class MoEConfig(_Section):
                              f"({self.experts}); lower top_k or add experts")
         if self.experts % self.expert_parallel:
             raise ValueError(f"model.moe.expert_parallel ({self.expert_parallel}) must divide "
-                             f"model.moe.experts ({self.experts})")
-        if self.expert_parallel > 1:
-            raise ValueError(f"model.moe.expert_parallel {self.expert_parallel}: expert "
-                             "parallelism is not available yet; set model.moe.expert_parallel "
-                             "1 (experts are then sharded by ZeRO like every parameter)")
+                             f"model.moe.experts ({self.experts}): each rank of an EP group "
+                             "holds as many experts; use a divisor of the expert count")
         return self
 
 
@@ -144,9 +141,11 @@ class ModelConfig(_Section):
         if self.n_head and self.n_kv_head and self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_head ({self.n_head}) must be a multiple of "
                              f"model.n_kv_head ({self.n_kv_head})")
-        if self.moe is not None and self.hf is not None:
+        if self.moe is not None and self.hf is not None \
+                and self.moe.model_copy(update={"expert_parallel": 1}) != MoEConfig():
             raise ValueError("model.moe applies to model.arch llama; a model.hf folder's "
-                             "experts (if any) come from its config.json: remove model.moe")
+                             "experts (if any) come from its config.json: remove model.moe "
+                             "(only model.moe.expert_parallel applies to a model.hf MoE)")
         if self.moe is not None and self.bias:
             raise ValueError("model.moe's experts and router have no biases; remove "
                              "model.bias (or set it false)")

@@ -24,6 +24,11 @@ def node_problems(cfg: Any, world: int) -> list[str]:
     problem = secondary_partition_problem(k, node, world) if k else None
     if problem:
         out.append(problem)
+    moe = getattr(cfg.model, "moe", None)
+    if moe is not None and world % moe.expert_parallel:
+        out.append(f"model.moe.expert_parallel ({moe.expert_parallel}) must divide the world "
+                   f"size ({world}): use a divisor of {world}, or run on a multiple of "
+                   f"{moe.expert_parallel} ranks")
     return out
 
 

@@ -33,6 +33,17 @@ def pair_problems(cfg: Any) -> list[str]:
     if p.fp8.all_gather and z.stage != 3:
         out.append("precision.fp8.all_gather gathers ZeRO-3's sharded weights; it needs "
                    f"zero.stage 3 (got {z.stage})")
+    ep = cfg.model.moe.expert_parallel if cfg.model.moe is not None else 1
+    for on, what in ((z.secondary_partition, "zero.secondary_partition"),
+                     (z.grad_wire != "plain", "zero.grad_wire"),
+                     (p.fp8.all_gather or z.param_wire != "plain", "zero.param_wire"),
+                     (cfg.sequence.parallel > 1, "sequence.parallel"),
+                     (z.offload_param != "none" or z.offload_optimizer == "nvme",
+                      "zero.offload_param / zero.offload_optimizer nvme")):
+        if ep > 1 and on:
+            out.append(f"{what} with model.moe.expert_parallel > 1 is not supported yet "
+                       "(expert units are sharded over their own group): remove one of them")
+            break
     if cfg.model.moe is not None and o.name == "muon":
         out.append("optimizer.name muon with model.moe: Muon would orthogonalise a layer's "
                    "fused experts [E, 2I, d] as one matrix, not expert by expert; use "

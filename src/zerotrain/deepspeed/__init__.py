@@ -111,10 +111,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                          "zerotrain config use zerotrain.initialize(model, config)")
     init_distributed(dist_init_required=dist_init_required)
     overrides: dict[str, Any] = {"checkpoint": {"keep": _KEEP_ALL}}
-    if optimizer is None and "optimizer" not in ds:
-        raise ValueError("no optimizer: pass optimizer= to initialize or give the config an "
-                         "`optimizer` block (DeepSpeed would build an engine that never "
-                         "updates the weights)")
+    if optimizer is None and "optimizer" not in ds:  # DeepSpeed's ZeRO inference
+        from zerotrain.comm.dist import bind_device
+        from zerotrain.deepspeed.inference import InferenceEngine
+
+        return InferenceEngine(model, ds, bind_device()), None, None, None
     if optimizer is not None and "optimizer" in ds:
         if world()[0] == 0:
             print("[zerotrain.deepspeed] the config's `optimizer` block is not used: the "

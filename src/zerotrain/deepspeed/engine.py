@@ -38,9 +38,11 @@ from zerotrain.deepspeed.optim import (
     user_groups,
 )
 from zerotrain.deepspeed.surface import HFSurface
+from zerotrain.deepspeed.zero3_check import check_model, watch_first_forward
 from zerotrain.engine import Engine, StepInfo
 from zerotrain.models import Group, plan_for
 from zerotrain.optim import build_optimizer
+from zerotrain.optim.torch_rule import arithmetic_of
 
 _UNCAUGHT = False
 _previous_hook = sys.excepthook
@@ -107,6 +109,7 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
             config = config.model_copy(update={"optimizer": config.optimizer.model_copy(
                 update={"name": name})})
         self.uses_muon = name == "muon"
+        self.torch_rule = self._torch_rule(name, ds)
         plan = plan_for(model)
         src = self.param_source.param_groups
         where = group_index(model, src)
@@ -130,8 +133,19 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
 
             hand_out(self, pending, whole)
         self.mark_status()
+        check_model(self.strategy, model)  # parameters tied across ZeRO-3 units
+        self._watch_forward = True  # the first forward looks for reads outside a unit
         self.apply_lr()  # the sharded optimizer starts with the groups' settings
         zero.ENGINES.add(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._watch_forward:  # once: a model reading a block's weights outside it
+            self._watch_forward = False
+            mode = watch_first_forward(self.strategy, self.module)
+            if mode is not None:
+                with mode:
+                    return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _scheduler(self, client: Any, config: Config, ds: dict[str, Any]) -> Any:
         """The client lr_scheduler (object, or callable taking the optimizer), else the
@@ -180,7 +194,21 @@ class DeepSpeedEngine(HFSurface, Engine, nn.Module):
         if self.uses_muon:  # None: Muon for the matrices; the rest on its AdamW fallback
             for gid, opts in out.items():
                 opts["use_muon"] = None if gid == 0 else False
+        if self.torch_rule:  # the arithmetic of the torch optimizer DeepSpeed would step
+            for gid, i in self.source_of.items():
+                out[gid]["arithmetic"] = arithmetic_of(src[i]) \
+                    if self.client_optimizer is not None else "torch"
         return out
+
+    def _torch_rule(self, name: str, ds: dict[str, Any]) -> bool:
+        """Whether DeepSpeed would step a torch.optim Adam/AdamW here — the client's, or
+        the config's with `torch_adam: true` — so zerotrain runs torch's arithmetic."""
+        if name not in ("adam", "adamw"):
+            return False
+        if self.client_optimizer is not None:
+            return True
+        params = (ds.get("optimizer") or {}).get("params") or {}
+        return params.get("torch_adam") is True
 
     def apply_lr(self) -> float:
         """Copy each user group's hyper-parameters (lr and, for a client optimizer, betas,

@@ -115,8 +115,10 @@ IGNORED: dict[str, str] = {
     _Z + "offload_param.max_in_cpu": "with device nvme DeepSpeed keeps up to this many "
                                      "parameter elements in host memory; zerotrain keeps "
                                      "every offloaded shard on disk (placement only)",
-    "optimizer.params.torch_adam": "picks DeepSpeed's Adam kernel, not its math (its "
-                                   "default weight_decay is honoured)",
+    "optimizer.params.torch_adam": "picks torch.optim's Adam kernel: zerotrain.deepspeed "
+                                   "then updates with torch's arithmetic, a converted "
+                                   "config with zerotrain's AdamW (its default "
+                                   "weight_decay is honoured)",
     "optimizer.params.set_grad_none": "zerotrain's gradients are flat buffers",
     "optimizer.params.ns_method": "zerotrain runs the quintic Newton-Schulz iteration",
 }

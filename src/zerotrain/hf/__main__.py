@@ -2,6 +2,9 @@
 `import deepspeed` resolved to zerotrain.deepspeed (for torchrun -m and
 accelerate launch -m; `zerotrain launch` starts its ranks this way).
 
+`python -m zerotrain.hf --install-hook` (once per environment) lets `ZEROTRAIN_DEEPSPEED=1`
+do the same for a script started any other way (`envhook.py`); `--remove-hook` undoes it.
+
 A configuration zerotrain cannot run (a DeepSpeed key it cannot honour, an unsupported
 transformers / Accelerate / TRL major) ends the run with one line, said by rank 0, before
 any rank trains."""
@@ -23,10 +26,36 @@ def _refuse(err: Exception) -> None:
     raise SystemExit(1)
 
 
+def _hook(flag: str) -> None:
+    from zerotrain.hf import envhook
+
+    if flag == "--install-hook":
+        path = envhook.install_hook()
+        print(
+            f"wrote {path}: with {envhook.VAR}=1 in the environment, `import deepspeed` "
+            "resolves to zerotrain.deepspeed in every Python process of this environment "
+            "(torchrun, accelerate launch, python); without it nothing changes"
+        )
+    else:
+        gone = envhook.remove_hook()
+        print(
+            f"removed {envhook.site_dir() / envhook.PTH_NAME}"
+            if gone
+            else "no start-up hook was installed in this environment"
+        )
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m zerotrain.hf script.py [ARGS ...]", file=sys.stderr)
+        print(
+            "usage: python -m zerotrain.hf script.py [ARGS ...]\n"
+            "       python -m zerotrain.hf --install-hook | --remove-hook",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
+    if argv[0] in ("--install-hook", "--remove-hook"):
+        _hook(argv[0])
+        return
     try:
         install()
     except RuntimeError as e:  # another major version, or the real deepspeed imported

@@ -28,6 +28,7 @@ from zerotrain.models import gpt, hf, llama, presets
 from zerotrain.models.hf_convert import ConvertedIndex
 from zerotrain.models.hf_export import hf_name, hf_twin
 from zerotrain.models.moe import active_numel
+from zerotrain.models.moe_parallel import one_process_whole
 from zerotrain.models.plan import Group, Plan, default_plan
 from zerotrain.models.presets import PRESETS, resolve_model_config
 from zerotrain.models.weights import SafetensorsIndex, WeightError, Weights, bind
@@ -74,6 +75,8 @@ def active_param_count(model_cfg: ModelConfig) -> int:
     if cfg.hf is None:
         return presets.active_params(cfg)
     experts, top_k, _ = moe_shape(hf.read_hf_config(cfg.hf))
+    if cfg.moe is not None:  # every expert, whatever the expert-parallel degree
+        cfg = cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"expert_parallel": 1})})
     model = on_meta(lambda: build_model(cfg))
     return active_numel(model, experts, top_k) if experts else count_params(model)
 
@@ -83,7 +86,7 @@ def build_model(model_cfg: ModelConfig, device: torch.device | str | None = None
     """A randomly initialised model of the configured family, built on `device` (use
     "meta" to allocate nothing; the caller materialises it). `hf_config` stands in for
     model.hf's config.json (an export embeds it)."""
-    cfg = resolve_model_config(model_cfg, hf_config=hf_config)
+    cfg = one_process_whole(resolve_model_config(model_cfg, hf_config=hf_config))
     with torch.device(device) if device is not None else nullcontext():
         if cfg.hf is not None:
             return hf.build_hf(cfg, hf_config)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from zerotrain.config import ConfigError, ModelConfig
+from zerotrain.models.hf_experts import swap_hf_experts
 from zerotrain.models.plan import Plan, largest_module_list, plan_from
 from zerotrain.models.presets import read_hf_config
 from zerotrain.models.sampling import CausalLM, lm_loss
@@ -85,6 +86,8 @@ def build_hf(cfg: ModelConfig, hf_config: dict[str, Any] | None = None) -> HFCau
     except (ValueError, KeyError) as e:
         raise ConfigError(f"model.hf: transformers cannot build '{model_type}' as a causal "
                           f"LM: {e}") from None
+    if cfg.moe is not None and cfg.moe.expert_parallel > 1:  # models/hf_experts.py
+        swap_hf_experts(model, cfg.moe.expert_parallel)
     return HFCausalLM(model, cfg, hf_config)
 
 

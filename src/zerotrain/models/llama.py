@@ -147,7 +147,14 @@ class Llama(CausalLM):
         assert self.cfg.n_layer
         if ".mlp.experts." in name:  # fused experts: each a SwiGLU, `down` residual-scaled
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("down") else 0.02
-            fill_normal(t, std, generator_for(self.init_seed, name))
+            experts = self.get_submodule(name.rpartition(".")[0])
+            if experts.total == t.shape[0]:
+                fill_normal(t, std, generator_for(self.init_seed, name))
+            else:  # expert parallelism: this rank's experts of the whole layer's draw
+                full = torch.empty((experts.total, *t.shape[1:]), dtype=torch.float32)
+                fill_normal(full, std, generator_for(self.init_seed, name))
+                with torch.no_grad():
+                    t.copy_(full[experts.first:experts.first + t.shape[0]])
             return
         init_decoder_param(self, name, t, self.init_seed, ("attn.o.weight", "mlp.down.weight"),
                            self.cfg.n_layer)

@@ -13,7 +13,9 @@ keeps its residual).
 
 Never a hang: every expert's matmul runs on every forward, an empty slice when it got
 no token, so every expert parameter has a gradient (zeros) on every rank and ZeRO's
-per-parameter reductions are issued identically whatever the routing.
+per-parameter reductions are issued identically whatever the routing. Under expert
+parallelism (`expert_parallel` P) each rank holds E/P of the experts and the pairs travel
+to them and back by all-to-all (models/moe_parallel.py).
 
 Router losses, added to the training loss by the model (mean over layers, coefficient
 times): the load-balancing loss E·Σ_e f_e·P_e (f_e: share of the pairs routed to e, P_e:
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerotrain.config import ModelConfig
+from zerotrain.models.moe_parallel import dispatch, ep_slot
 
 
 def _recomputing() -> bool:
@@ -40,12 +43,18 @@ def _recomputing() -> bool:
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs, fused: tokens arrive sorted by expert, `counts[e]` of them each."""
+    """E SwiGLU MLPs, fused: tokens arrive sorted by expert, `counts[e]` of them each.
 
-    def __init__(self, n: int, d: int, inner: int):
+    Under expert parallelism (`parallel` P > 1) this rank holds experts
+    [first, first + n/P) of the layer's n (models/moe_parallel.py)."""
+
+    def __init__(self, n: int, d: int, inner: int, parallel: int = 1):
         super().__init__()
-        self.gate_up = nn.Parameter(torch.empty(n, 2 * inner, d))
-        self.down = nn.Parameter(torch.empty(n, d, inner))
+        local = n // parallel
+        self.total, self.expert_parallel = n, parallel
+        self.first = ep_slot(parallel) * local
+        self.gate_up = nn.Parameter(torch.empty(local, 2 * inner, d))
+        self.down = nn.Parameter(torch.empty(local, d, inner))
 
     def forward(self, xs: Tensor, counts: list[int]) -> Tensor:
         outs, a = [], 0
@@ -68,7 +77,8 @@ class MoE(nn.Module):
         self.n, self.k, self.capacity_factor = m.experts, m.top_k, m.capacity_factor
         self.aux_coef, self.z_coef = m.aux_loss, m.z_loss
         self.router = nn.Linear(cfg.n_embd, m.experts, bias=False)
-        self.experts = Experts(m.experts, cfg.n_embd, cfg.intermediate_size)
+        self.experts = Experts(m.experts, cfg.n_embd, cfg.intermediate_size,
+                               m.expert_parallel)
         self.aux: Tensor | None = None  # this forward's weighted router loss (training)
         self.stats: Tensor | None = None  # [counts(E), dropped, aux, z, forwards], summed
 
@@ -96,7 +106,10 @@ class MoE(nn.Module):
         logits = self.router(h).float()
         expert, token, weight, routed = self.route(logits)
         counts = torch.bincount(expert, minlength=self.n)
-        ys = self.experts(h[token], counts.tolist())
+        if self.experts.expert_parallel > 1:  # to the experts' ranks and back
+            ys = dispatch(self.experts, h[token], counts)
+        else:
+            ys = self.experts(h[token], counts.tolist())
         y = torch.zeros_like(h).index_add_(0, token, ys * weight[:, None].to(ys.dtype))
         if self.training:  # also in a recompute: checkpointing wants the same graph
             self._router_losses(logits, routed, counts)

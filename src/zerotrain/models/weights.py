@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from zerotrain.models.moe_parallel import whole_shapes
+
 #: safetensors dtype codes -> bytes per element
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
              "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -148,9 +150,10 @@ def bind(model: nn.Module, index: SafetensorsIndex, candidates: Candidates | Non
     candidates = candidates or (lambda n: [(n, False)])
     names: dict[int, list[str]] = {}
     shapes: dict[int, tuple[int, ...]] = {}
+    whole = whole_shapes(model)  # expert parallelism: the file holds every expert
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-        shapes[id(p)] = tuple(p.shape)
+        shapes[id(p)] = whole.get(id(p), tuple(p.shape))
     out: dict[str, tuple[str, bool]] = {}
     missing, wrong = [], []
     for pid, aliases in names.items():

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from zerotrain.optim import compact as C
 from zerotrain.optim import functional as F
+from zerotrain.optim.torch_rule import torch_adam_
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 
@@ -304,6 +305,9 @@ class Adam(_Base):
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
         rule = F.adamw_ if self._decoupled else F.adam_
         beta1, beta2 = group["betas"]
+        if group.get("arithmetic", "zerotrain") != "zerotrain" and not self.compact.active:
+            self._torch_update(group, params)  # the DeepSpeed surface's client optimizer
+            return
         for p in params:
             if self.compact.active:
                 self._compact_state(p, ADAM_STATES, step=True)
@@ -318,6 +322,19 @@ class Adam(_Base):
             else:
                 rule(ps, _grads(ps), _get(ps, self.state, "exp_avg"),
                      _get(ps, self.state, "exp_avg_sq"), **kw)
+
+
+    def _torch_update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """torch.optim's own arithmetic, bit for bit (`torch_rule`): a group whose
+        `arithmetic` is "torch" or "torch_fused" (what DeepSpeed would step)."""
+        for p in params:
+            self._state(p, _adam_state)
+        beta1, beta2 = group["betas"]
+        torch_adam_(params, _grads(params), _get(params, self.state, "exp_avg"),
+                    _get(params, self.state, "exp_avg_sq"), _get(params, self.state, "step"),
+                    rule=group["arithmetic"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    decoupled=self._decoupled)
 
 
 class AdamW(Adam):

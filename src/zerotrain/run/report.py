@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from zerotrain.config import Config
 from zerotrain.memory import config_activations
 from zerotrain.models import active_param_count
+from zerotrain.models.moe_parallel import describe as describe_ep
+from zerotrain.models.moe_parallel import whole_numel
 from zerotrain.optim.schedule import lr_from_config
 from zerotrain.run.curves import Series, curve_series, plot_curves
 from zerotrain.run.trackers import make_trackers
@@ -95,7 +97,7 @@ class Reporter:
         mem = eng.memory_report()
         self.record({"type": "memory", "step": eng.global_step, **mem})
         ms = mem["model_states"]
-        n_params = sum(p.numel() for p in eng.module.parameters())
+        n_params = whole_numel(eng.module)  # expert parallelism: every rank's experts
         active = active_param_count(self.cfg.model) if self.enabled else n_params
         moe = f" ({active:,} active per token)" if active != n_params else ""
         self.say(f"[zerotrain] {world} rank(s), {eng.strategy.name}, "
@@ -104,7 +106,8 @@ class Reporter:
                          for k, v in ms[place].items() if v)
         self.say("[zerotrain] model states on rank 0 (bytes): "
                  + (held or "none resident between steps (in the offload tiers below)"))
-        for line in eng.strategy.describe():  # e.g. distributed Muon: who owns which matrix
+        ep = describe_ep(eng.module)
+        for line in ([ep] if ep else []) + eng.strategy.describe():  # e.g. Muon's owners
             self.say(f"[zerotrain] {line}")
         if eng.device.type == "cpu":
             warning = cpu_cost_warning(self.cfg, n_params)

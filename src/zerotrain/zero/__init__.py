@@ -17,6 +17,7 @@ from zerotrain.comm.collectives import Comm
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.zero import experts
 from zerotrain.zero.base import Strategy
 from zerotrain.zero.build import build_units
 from zerotrain.zero.cut import run_shape
@@ -94,9 +95,11 @@ def build_strategy(model: nn.Module, plan: Plan, policy: PrecisionPolicy, comm: 
     tiers = make_tiers(cfg, device, comm.rank, elementwise)  # the config allows them at stage 3
     placement = kind.placement.make(device, tiers, cfg.offload_prefetch)
     part = Partition.of(comm)
+    expert_part = experts.setup(model, comm)  # expert parallelism's groups, or None
     grads = placement.make_grads(cls, policy, cfg.in_flight(device.type))
     units = build_units(cls, model, plan, policy, part, cfg, device,
-                        InitValues(model, plan, skip=pretrained), placement, tiers)
+                        InitValues(model, plan, skip=pretrained), placement, tiers,
+                        expert_part)
     extra = {"param_tier": tiers.params} if tiers is not None else {}
     return cls(model, plan, policy, part, cfg, device, units, grads,
                updater=choose_updater(kind, elementwise, placement),

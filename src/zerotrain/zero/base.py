@@ -39,6 +39,7 @@ from zerotrain.comm.collectives import Handle
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.zero import experts
 from zerotrain.zero.cut import UnitSpec, buckets
 from zerotrain.zero.flat import NamedParams, Segment
 from zerotrain.zero.params.wire import PlainWire
@@ -273,6 +274,9 @@ class Strategy(StrategyState):
 
     def grad_norm_sq(self) -> float:
         """Squared global L2 norm of the (still scaled) gradient, identical on every rank."""
+        ep = experts.grad_norm_sq(self)  # expert units: sharded over their own ranks
+        if ep is not None:
+            return ep
         local = self.grads.norm_sq(self.units, self._owned_grads, self.host)
         if self.shards_optimizer:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from zerotrain.config import ZeroConfig
 from zerotrain.models.plan import Plan
 from zerotrain.numerics.precision import PrecisionPolicy
+from zerotrain.zero import experts
 from zerotrain.zero.cut import align_for, trainable
 from zerotrain.zero.init import InitValues
 from zerotrain.zero.partition import Partition
@@ -54,10 +55,13 @@ class Masters:
 
 def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
                 part: Partition, cfg: ZeroConfig, device: torch.device, init: InitValues,
-                placement: Placement, tiers: Any = None) -> list[Unit]:
+                placement: Placement, tiers: Any = None,
+                expert_part: Partition | None = None) -> list[Unit]:
     """Every unit of `cls`'s cut, materialised, with gradient storage and a master (both
     where `placement` puts them; its `grads` is the store made by `make_grads`); with
-    ZeRO-Infinity's `tiers` (zero/states/disk.py), each unit goes to its tiers once built."""
+    ZeRO-Infinity's `tiers` (zero/states/disk.py), each unit goes to its tiers once built;
+    with expert parallelism, expert parameters in units of their own cut across
+    `expert_part` (zero/experts.py)."""
     grads = placement.grads
     assert grads is not None, "the placement makes the gradient store first"
     named = trainable(model, plan)
@@ -65,8 +69,12 @@ def build_units(cls: Any, model: nn.Module, plan: Plan, policy: PrecisionPolicy,
         raise ValueError("the model has no trainable parameters")
     place_rest(model, device, policy.param_dtype, plan.init_buffers)
     align = align_for(device.type, policy)
-    units = [cls.unit_class.build(i, name, ps, part, align, **extra)
-             for i, (name, ps, extra) in enumerate(cls.cut(model, plan, named, cfg, policy))]
+    specs = cls.cut(model, plan, named, cfg, policy)
+    parts = [part] * len(specs)
+    if expert_part is not None:
+        specs, parts = experts.split(specs, model, part, expert_part)
+    units = [cls.unit_class.build(i, name, ps, p, align, **extra)
+             for i, ((name, ps, extra), p) in enumerate(zip(specs, parts, strict=True))]
     moves = tiers is not None and tiers.moves
     share = moves and tiers.shares(policy.has_master)
     masters = Masters(policy, placement, separate=moves, share=share)

@@ -21,7 +21,7 @@ class DDP(Strategy):
     def reduce_grads(self, u: Unit) -> None:
         buf = u.grad
         if buf.dtype == self.policy.reduce_dtype:
-            self.enqueue(self.comm.grads.all_reduce(buf, async_op=True))
+            self.enqueue(u.part.comm.grads.all_reduce(buf, async_op=True))
             return
         wire = buf.to(self.policy.reduce_dtype)
-        self.enqueue(self.comm.grads.all_reduce(wire, async_op=True), lambda: buf.copy_(wire))
+        self.enqueue(u.part.comm.grads.all_reduce(wire, async_op=True), lambda: buf.copy_(wire))

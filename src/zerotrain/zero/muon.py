@@ -42,7 +42,7 @@ from torch import Tensor
 from zerotrain.models.plan import Group
 from zerotrain.optim.muon import muon_apply_
 from zerotrain.zero.flat import ParamSlot, Segment
-from zerotrain.zero.update import StepView, Updater
+from zerotrain.zero.update import Updater
 
 if TYPE_CHECKING:
     from zerotrain.zero.unit import Unit
@@ -109,16 +109,16 @@ def _pieces(u: Unit, slot: ParamSlot) -> tuple[tuple[int, int], ...]:
 class MatrixOwners(Updater):
     """The ownership plan of one strategy, and the exchange that carries it out.
 
-    `strategy` is the view of the `zero.base.Strategy` that builds this
-    (`zero.update.StepView`): its units, comm, `opt_range`, `owned_grad`, `attach_grads`."""
+    `strategy` is the `zero.base.Strategy` that builds this, seen through
+    `zero.update.StepView`: its units, comm, `opt_range`, `owned_grad`, `attach_grads`."""
 
     per_param = True
 
-    def __init__(self, strategy: StepView, method: str = "all_to_all"):
+    def __init__(self, strategy: Any, method: str = "all_to_all"):
         super().__init__(strategy)
         if method not in METHODS:
             raise ValueError(f"distributed Muon method must be one of {METHODS}, got {method!r}")
-        s = self.s = strategy
+        s = self.s
         self.method = method
         self.rank, self.world = s.rank, s.world
         found = [(u, slot) for u in s.units for slot in u.slots if is_muon_matrix(slot)]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zerotrain.zero import experts
 from zerotrain.zero.audit import memory_breakdown
 from zerotrain.zero.flat import gather_range
 
@@ -36,16 +37,18 @@ class StrategyState:
     def layout(self) -> dict[str, Any]:
         """Plain JSON, the same on every rank: the units and what they hold."""
         return {"strategy": self.name, "stage": self.stage, "world_size": self.world,
-                "units": [u.layout() for u in self.units]}
+                "units": [experts.unit_layout(u) for u in self.units]}
 
     def rank_layout(self) -> dict[str, Any]:
         """Plain JSON, this rank's cut: the master range of each unit, and per optimizer
         tensor (in optimizer order) [unit, start, end, shape]; and the range of each unit
         this rank writes into a checkpoint (`write_range`)."""
-        return {"opt_ranges": [list(self.opt_range(u)) for u in self.units],
-                "segments": [[s.unit, s.start, s.end, list(v.shape)]
-                             for s, v in self.opt_segments],
-                "write_ranges": [list(self.write_range(u)) for u in self.units]}
+        units = self.units
+        return {"opt_ranges": [list(experts.ranges(u, *self.opt_range(u))) for u in units],
+                "segments": [[s.unit, *experts.ranges(units[s.unit], s.start, s.end),
+                              list(v.shape)] for s, v in self.opt_segments],
+                "write_ranges": [list(experts.ranges(u, *self.write_range(u), clip=True))
+                                 for u in units]}
 
     def write_range(self, u: Unit) -> tuple[int, int]:
         """The part of `opt_range(u)` this rank writes into a checkpoint: its shard.
@@ -77,8 +80,9 @@ class StrategyState:
         `read` is asked only for the elements this rank keeps, so a sharded source
         (resharded checkpoint, safetensors slices) is never materialised in full.
         """
-        self._fill_masters(lambda u: gather_range(u.layout(), *self.opt_range(u), read,
-                                                  u.master.dtype), only)
+        self._fill_masters(lambda u: gather_range(  # expert units: their whole parameter
+            experts.unit_layout(u), *experts.ranges(u, *self.opt_range(u)), read,
+            u.master.dtype), only)
 
     def _fill_masters(self, value: Callable[[Unit], Tensor], only: set[int] | None = None
                       ) -> None:

@@ -19,40 +19,56 @@ never asks which.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from zerotrain.comm.collectives import Comm
-from zerotrain.models.plan import Plan
 from zerotrain.zero.flat import Segment
-from zerotrain.zero.states.home import Placement
 from zerotrain.zero.unit import Unit
 
 Views = list[tuple[Segment, Tensor]]
 
 
-class StepView(Protocol):
-    """What an updater may use of the strategy that owns it — nothing else (the strategy
-    hands itself as this view; tests/test_layers.py keeps the stage above its parts)."""
+class StepView:
+    """What an updater may use of the strategy that owns it, and nothing else: the units,
+    the optimizer's views, the home, where tensors live and who the ranks are, and the
+    strategy's gradient and publish verbs. A proxy, so a part never holds the strategy."""
 
-    units: list[Any]
-    opt_segments: Views
-    placement: Placement  # the home: residency hooks, views by unit
-    comm: Comm
-    plan: Plan
-    device: torch.device
-    host: torch.device
-    rank: int
-    world: int
+    __slots__ = ("_s",)
 
-    def opt_range(self, u: Unit) -> tuple[int, int]: ...
-    def owned_grad(self, u: Unit) -> Tensor: ...
-    def attach_grads(self, segments: Views | None = None) -> None: ...
-    def detach_grads(self) -> None: ...
-    def publish(self, u: Unit) -> None: ...
-    def fence_master(self, u: Unit) -> None: ...
+    def __init__(self, strategy: Any):
+        self._s = strategy.view() if isinstance(strategy, StepView) else strategy
+
+    def view(self) -> Any:
+        return self._s
+
+    units = property(lambda self: self._s.units)
+    opt_segments = property(lambda self: self._s.opt_segments)
+    placement = property(lambda self: self._s.placement)  # the home: residency hooks
+    comm = property(lambda self: self._s.comm)
+    device = property(lambda self: self._s.device)
+    host = property(lambda self: self._s.host)
+    rank = property(lambda self: self._s.rank)
+    world = property(lambda self: self._s.world)
+
+    def opt_range(self, u: Unit) -> tuple[int, int]:
+        return self._s.opt_range(u)
+
+    def owned_grad(self, u: Unit) -> Tensor:
+        return self._s.owned_grad(u)
+
+    def attach_grads(self, segments: Views | None = None) -> None:
+        self._s.attach_grads(segments)
+
+    def detach_grads(self) -> None:
+        self._s.detach_grads()
+
+    def publish(self, u: Unit) -> None:
+        self._s.publish(u)
+
+    def fence_master(self, u: Unit) -> None:
+        self._s.fence_master(u)
 
 
 class Updater:
@@ -61,9 +77,9 @@ class Updater:
     per_param = False
     publishes = False  # True: `step` publishes every unit itself (after_step does not)
 
-    def __init__(self, strategy: StepView):
-        """`strategy`: the view of the `zero.base.Strategy` this updates (`StepView`)."""
-        self.s = strategy
+    def __init__(self, strategy: Any):
+        """`strategy`: the `zero.base.Strategy` this updates, seen through a `StepView`."""
+        self.s = StepView(strategy)
 
     def views(self) -> Views:
         """(segment, master view) per optimizer tensor, in optimizer order (by group:

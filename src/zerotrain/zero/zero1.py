@@ -22,15 +22,15 @@ class ZeRO1(DDP):
         buf = u.grad
         lo, hi = u.shard_range
         if buf.dtype == self.policy.reduce_dtype:  # in place: chunk r of the buffer
-            self.enqueue(self.comm.grads.reduce_scatter(buf[lo:hi], buf, async_op=True))
+            self.enqueue(u.part.comm.grads.reduce_scatter(buf[lo:hi], buf, async_op=True))
             return
         wire = buf.to(self.policy.reduce_dtype)
         out = wire[lo:hi]
-        self.enqueue(self.comm.grads.reduce_scatter(out, wire, async_op=True),
+        self.enqueue(u.part.comm.grads.reduce_scatter(out, wire, async_op=True),
                      lambda: buf[lo:hi].copy_(out))
 
     def publish(self, u: Unit) -> None:
         lo, hi = u.shard_range
         own = u.params[lo:hi]
         self.write_master_into(u, own)
-        self.enqueue(self.comm.all_gather(u.params, own, async_op=True))
+        self.enqueue(u.part.comm.all_gather(u.params, own, async_op=True))

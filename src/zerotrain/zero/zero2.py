@@ -29,4 +29,4 @@ class ZeRO2(ZeRO1):
     def reduce_grads(self, u: Unit) -> None:
         bucket = self.grads.target(u)
         out, done = self.grads.landing(u)
-        self.enqueue(self.grad_wire.reduce_scatter(self.comm.grads, out, bucket), done)
+        self.enqueue(self.grad_wire.reduce_scatter(u.part.comm.grads, out, bucket), done)

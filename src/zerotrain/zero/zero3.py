@@ -43,7 +43,7 @@ from zerotrain.zero.cut import UnitSpec, blocks
 from zerotrain.zero.flat import NamedParams
 from zerotrain.zero.params.store import ParamStore
 from zerotrain.zero.params.tiered import ParamTier
-from zerotrain.zero.unit import ShardedUnit
+from zerotrain.zero.unit import ShardedUnit, UnitState
 from zerotrain.zero.zero2 import ZeRO2
 
 
@@ -113,7 +113,10 @@ class ZeRO3(ZeRO2):
             self._next = (dict(pairwise(self._started)), dict(pairwise(back)))
 
     def _pre_forward(self, u: ShardedUnit, module: nn.Module, args) -> None:
-        if in_backward():  # activation-checkpoint recompute: gathered for backward already
+        if in_backward():  # activation-checkpoint recompute: gathered for backward already,
+            if u.state is UnitState.SHARDED:  # unless nested in a block (expert units)
+                u.gathered_for_backward = True
+                self.gather(u, forward=False)
             return
         self._record(self._started, u)
         self.gather(u, forward=True)

@@ -1,13 +1,14 @@
 """ZeRO-3's parameter store: where each unit's shard lives between uses and how it travels.
 
-The store holds what a unit's parameters need outside the stage's hooks: the partition's
-communicator, the wire a gather travels in (plain, FP8 or int8: zero/params/wire.py), the
-post-forward partition hpZ adds (zero/params/hpz.py) and the home tier of the shards
-(zero/params/tiered.py, ZeRO-Infinity's `offload_param`). ZeRO-3 (zero/zero3.py) only
-decides *when*: it calls `gather` before a unit runs, `release` after its forward,
-`reduced` once its gradients are reduced, `publish` after its update and `refresh` when
-every unit is published. The memory model reads what the store states it holds:
-`resident_bytes` (between uses) and `landing_bytes` (while gathered).
+The store holds what a unit's parameters need outside the stage's hooks: the wire a
+gather travels in (plain, FP8 or int8: zero/params/wire.py), the post-forward partition
+hpZ adds (zero/params/hpz.py) and the home tier of the shards (zero/params/tiered.py,
+ZeRO-Infinity's `offload_param`). Each unit travels over its own partition's ranks
+(`u.part.comm`: every rank, or an expert unit's expert-data-parallel group). ZeRO-3
+(zero/zero3.py) only decides *when*: it calls `gather` before a unit runs, `release`
+after its forward, `reduced` once its gradients are reduced, `publish` after its update
+and `refresh` when every unit is published. The memory model reads what the store states
+it holds: `resident_bytes` (between uses) and `landing_bytes` (while gathered).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class ParamStore:
         """For the backward from hpZ's node-local copy when there is one, otherwise
         across every rank through the wire."""
         via = self.hpz.via(u) if self.hpz is not None and not forward else None
-        u.unshard(self.comm, async_op=async_op, via=via)
+        u.unshard(u.part.comm, async_op=async_op, via=via)
 
     def prefetch(self, u: ShardedUnit | None, forward: bool = True) -> None:
         if u is not None and self.prefetching:
@@ -116,7 +117,7 @@ class ParamStore:
             u.wire.note(u.shard)
         self.tier.written(u)
         if u.persistent:
-            enqueue(self.comm.all_gather(u.params, u.shard, async_op=True))
+            enqueue(u.part.comm.all_gather(u.params, u.shard, async_op=True))
 
     def refresh(self) -> None:
         """Every unit published: the wire re-packs (`PlainWire.refresh`), the tier's
@@ -129,7 +130,7 @@ class ParamStore:
         """`units` gathered exactly (the parameter dtype's values, never the wire's)."""
         for u in units:
             self.tier.ready(u)
-            u.unshard(self.comm, async_op=False, exact=True)
+            u.unshard(u.part.comm, async_op=False, exact=True)
             self.tier.release(u)
         try:
             yield
