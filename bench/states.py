@@ -291,8 +291,9 @@ def main() -> None:
         k = step % len(runs)
         for run in runs[k:] + runs[:k]:
             run.step(step, x, y)
-        if (step + 1) % 60 == 0:
-            print(f"step {step + 1}  {time.perf_counter() - t0:.0f} s", flush=True)
+        if (step + 1) % 60 == 0:  # progress, and a loss curve that survives a cut-short run
+            losses = "  ".join(f"{r.name}: {r.evaluate(evals):.4f}" for r in runs)
+            print(f"step {step + 1}  {time.perf_counter() - t0:.0f} s  val {losses}", flush=True)
     report(args, runs, evals, notes, time.perf_counter() - t0)
 
 

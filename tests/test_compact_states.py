@@ -70,6 +70,55 @@ def test_int8_blocks_match_fp64_reference(signed: bool) -> None:
     assert (got[: 256 * 7].view(7, 256)[y.abs() >= 1e-6] != 0).all()
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_code_lookup_is_exactly_the_nearest_code(signed: bool) -> None:
+    """The step's quantiser finds codes by a bucket lookup on the float's bits; it must
+    give the nearest code (bucketize over the midpoints) for every value, including each
+    code, each midpoint and the floats a few ulps either side of them."""
+    codes, mids, _ = Q.tables(signed, torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    parts = [torch.rand(200_000, generator=g), 10 ** (-9 * torch.rand(200_000, generator=g))]
+    for base in (codes.abs(), mids.abs(), torch.tensor([10.0**-k for k in range(10)])):
+        for direction in (-1.0, 2.0):
+            b = base.clone()
+            for _ in range(4):
+                b = torch.nextafter(b, torch.full_like(b, direction))
+                parts.append(b)
+        parts.append(base)
+    a = torch.cat([*parts, torch.zeros(1), torch.ones(1)]).clamp(0, 1)
+    y = torch.cat([a, -a]) if signed else a
+    got = Q.nearest_lookup(y, *Q.lookup(signed, y.device)).long()
+    assert torch.equal(got, torch.bucketize(y, mids))
+    assert torch.equal(Q.nearest(y, Q.tables(signed, y.device)[2], signed), got)
+
+
+def test_packed_small_tensors_step_as_if_alone() -> None:
+    """Small tensors are packed block-aligned into one scratch per chunk: each must
+    step exactly as it would alone (no padding or neighbour leaking into a block)."""
+    shapes = [(192,), (5, 77), (256,), (513,), (3,), (1000, 300)]
+
+    def run(together: bool, spec: Compact) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(3)
+        dtype = torch.bfloat16 if spec.master_update != "none" else torch.float32
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+        opts = [AdamW(ps, lr=1e-2)] if together else [AdamW([p], lr=1e-2) for p in ps]
+        for o in opts:
+            o.compact = spec
+        for _ in range(3):
+            for p in ps:
+                scale = 10 ** (-3 * torch.rand(1, generator=g))
+                p.grad = (torch.randn(p.shape, generator=g) * scale).to(dtype)
+            for o in opts:
+                o.step()
+        return [p.detach().clone() for p in ps] + [
+            t for o in opts for st in o.state.values() for t in st.values()
+        ]
+
+    for spec in (Compact("int8"), Compact("bf16"), Compact("int8", "kahan")):
+        for a, b in zip(run(True, spec), run(False, spec)):
+            assert torch.equal(a, b), spec
+
+
 def test_stochastic_rounding_is_unbiased_and_deterministic() -> None:
     x = torch.full((200_000,), 1.0 + 2**-9)  # a quarter of the way from 1 to the next bf16
     r = Q.stochastic_bf16(x, Q.noise16(0, x.numel(), 7, x.device)).float()
@@ -77,6 +126,15 @@ def test_stochastic_rounding_is_unbiased_and_deterministic() -> None:
     assert abs(r.mean().item() - x[0].item()) < 4e-5
     again = Q.stochastic_bf16(x[1000:2000], Q.noise16(1000, 1000, 7, x.device)).float()
     assert torch.equal(again, r[1000:2000])  # the bits depend on the index only
+    # the step's int32 form gives the same bits, also past 2^31 elements and at inf/NaN
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(5000, generator=g) * 10 ** (4 * torch.rand(5000, generator=g) - 2)
+    y[:3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+    for start in (0, 3 * 2**31 + 5):
+        out = torch.empty(5000, dtype=torch.bfloat16)
+        Q.stochastic_bf16_(y, out, start, 11)
+        ref = Q.stochastic_bf16(y, Q.noise16(start, 5000, 11, y.device))
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
 def _tiny_updates(update: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -131,7 +131,17 @@ def build_optimizer(
     """
     opt = _build(cfg, param_groups, agree)
     opt.compact = compact or (Compact(cfg.state_dtype) if cfg.state_dtype != "fp32" else FP32)
+    opt.compact_compiled = opt.compact.active and _compact_compile(cfg.compile, opt.param_groups)
     return opt
+
+
+def _compact_compile(setting: bool | str, param_groups: list[dict[str, Any]]) -> bool:
+    """`optimizer.compile` for the compact kernels (compiled and eager give the same
+    bits, so ranks need not agree): only when asked (true). auto stays eager: on this
+    project's CPUs the compiled kernels measured slower than the eager ones
+    (docs/compact-states.md)."""
+    del param_groups
+    return setting is True
 
 
 def _build(cfg: OptimizerConfig, param_groups: list[dict[str, Any]],

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from zerotrain.numerics import blockquant as Q
 from zerotrain.numerics.compact import FP32, Compact
+from zerotrain.optim import compact_kernels as K
 from zerotrain.optim.batching import block_elements
 
 #: how each state is quantised: signed (momenta) or as √ of a non-negative (2nd moments)
@@ -103,45 +104,127 @@ class _Piece:
     st: dict[str, Any]
     a: int
     b: int
-    work: Tensor | None = None  # the fp32 weights being updated (None: p in place)
+    off: int = 0  # where the piece starts in the batch's scratch
+
+    @property
+    def n(self) -> int:
+        return self.b - self.a
 
 
-def _pieces(
-    params: Sequence[Tensor], states: Sequence[dict], whole: bool
-) -> list[tuple[int, Tensor, dict, int, int]]:
-    out = []
-    for i, (p, st) in enumerate(zip(params, states)):
+def _batches(
+    params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict], whole: bool
+) -> list[list[_Piece]]:
+    """Pieces of at most one cache block (whole quantisation blocks; `whole`: each
+    tensor entire), gathered into batches of about one cache block."""
+    budget = block_elements(params[0].device) if params else 0
+    step_ = max(Q.BLOCK, budget // Q.BLOCK * Q.BLOCK)
+    out: list[list[_Piece]] = []
+    size = budget + 1
+    for p, g, st in zip(params, grads, states):
         n = p.numel()
-        step = n if whole or n == 0 else max(Q.BLOCK, block_elements(p.device) // Q.BLOCK * Q.BLOCK)
-        out += [(i, p, st, a, min(n, a + step)) for a in range(0, max(n, 1), step)]
+        step = max(1, n if whole else step_)
+        for a in range(0, max(n, 1), step):
+            pc = _Piece(p, g, st, a, min(n, a + step))
+            if size + pc.n > budget:
+                out.append([])
+                size = 0
+            pc.off = size
+            out[-1].append(pc)
+            size += -(-pc.n // Q.BLOCK) * Q.BLOCK  # every piece starts a block
     return out
 
 
-def _weights(pc: _Piece, spec: Compact) -> Tensor:
-    flat = pc.p.view(-1)[pc.a : pc.b]
-    if pc.p.dtype == torch.float32:
-        return flat
-    x = flat.float()
-    if COMP in pc.st:
-        x += pc.st[COMP].view(-1)[pc.a : pc.b].float()
-    pc.work = x
-    return x
+def _total(batch: list[_Piece]) -> int:
+    last = batch[-1]
+    return last.off + -(-last.n // Q.BLOCK) * Q.BLOCK
 
 
-def _put_weights(pc: _Piece, spec: Compact) -> None:
-    if pc.work is None:
+def _flat(t: Tensor, pc: _Piece) -> Tensor:
+    return t.view(-1)[pc.a : pc.b]
+
+
+def _widen(batch: list[_Piece], srcs: list[Tensor], slot: str) -> list[Tensor]:
+    """fp32 views of `srcs` (one per piece): themselves when fp32, else copies in scratch."""
+    if all(s.dtype == torch.float32 for s in srcs):
+        return srcs
+    buf = K.scratch(slot, _total(batch), srcs[0].device)
+    views = [buf[pc.off : pc.off + pc.n] for pc in batch]
+    torch._foreach_copy_(views, srcs)
+    return views
+
+
+class _StateIO:
+    """One state of one batch as fp32 working views, and how it is stored back."""
+
+    def __init__(self, batch: list[_Piece], name: str, slot: int, kern: K.Kernels) -> None:
+        self.batch, self.name, self.kern = batch, name, kern
+        self.slot = f"s{slot}"
+        self.sqrt = name in SQRT_STATES
+        if name + Q8 in batch[0].st:
+            self.views = self._read_q8()
+        else:
+            self.src = [_flat(pc.st[name], pc) for pc in batch]
+            self.views = _widen(batch, self.src, self.slot)
+
+    def _read_q8(self) -> list[Tensor]:
+        batch, dev = self.batch, self.batch[0].p.device
+        total = _total(batch)
+        self.vals = K.scratch(self.slot, total, dev).view(-1, Q.BLOCK)
+        codes = [_flat(pc.st[self.name + Q8], pc) for pc in batch]
+        scales = [pc.st[self.name + SCALE][pc.a // Q.BLOCK : Q.n_blocks(pc.b)] for pc in batch]
+        if len(batch) == 1 and batch[0].n % Q.BLOCK == 0:  # whole blocks: no copies
+            self.codes, self.scales = codes[0].view(-1, Q.BLOCK), scales[0]
+            self.back: tuple[list[Tensor], ...] | None = None
+        else:  # pack the pieces block-aligned, the padding reading as 0
+            self.codes = K.scratch(self.slot + "c", total, dev, torch.uint8).view(-1, Q.BLOCK)
+            self.codes.fill_(0 if self.sqrt else 127)  # the code of 0
+            self.scales = K.scratch(self.slot + "k", total // Q.BLOCK, dev)
+            cv = [self.codes.view(-1)[pc.off : pc.off + pc.n] for pc in batch]
+            sv = [
+                self.scales[pc.off // Q.BLOCK : pc.off // Q.BLOCK + len(s)]
+                for pc, s in zip(batch, scales)
+            ]
+            torch._foreach_copy_(cv + sv, codes + scales)
+            self.back = (codes + scales, cv + sv)
+        self.kern.dequant(self.codes, self.scales, self.vals, not self.sqrt, self.sqrt)
+        flat = self.vals.view(-1)
+        return [flat[pc.off : pc.off + pc.n] for pc in self.batch]
+
+    def store(self) -> None:
+        """The working views back into the state's own form."""
+        if self.name + Q8 in self.batch[0].st:
+            self.kern.quant(self.vals, self.codes, self.scales, not self.sqrt, self.sqrt)
+            if self.back is not None:
+                torch._foreach_copy_(*self.back)
+        elif self.views is not self.src:
+            torch._foreach_copy_(self.src, self.views)
+
+
+def _weights(batch: list[_Piece]) -> list[Tensor]:
+    """fp32 working weights: the parameters themselves when fp32, else bf16 + Kahan
+    compensation widened into scratch."""
+    flats = [_flat(pc.p, pc) for pc in batch]
+    views = _widen(batch, flats, "w")
+    if views is not flats and COMP in batch[0].st:
+        torch._foreach_add_(views, [_flat(pc.st[COMP], pc) for pc in batch])
+    return views
+
+
+def _put_weights(batch: list[_Piece], views: list[Tensor], spec: Compact, kern: K.Kernels) -> None:
+    flats = [_flat(pc.p, pc) for pc in batch]
+    if all(v.data_ptr() == f.data_ptr() for v, f in zip(views, flats)):  # fp32: in place
         return
-    x, flat = pc.work, pc.p.view(-1)[pc.a : pc.b]
     if spec.master_update == "stochastic":
         # the bits: a function of the step and the element's place in the model (the
         # ZeRO views carry their unit coordinates as `zt_origin`), nothing else
-        origin = getattr(pc.p, "zt_origin", 0)
-        seed = int(pc.st["step"]) if "step" in pc.st else 0
-        flat.copy_(Q.stochastic_bf16(x, Q.noise16(origin + pc.a, x.numel(), seed, x.device)))
-        return
-    flat.copy_(x)
-    if COMP in pc.st:  # what bf16 could not hold, kept for the next step
-        pc.st[COMP].view(-1)[pc.a : pc.b].copy_(x - flat.float())
+        for pc, x, w in zip(batch, views, flats):
+            seed = int(pc.st["step"]) if "step" in pc.st else 0
+            kern.stochastic(x, w, getattr(pc.p, "zt_origin", 0) + pc.a, seed)
+    elif COMP in batch[0].st:  # what bf16 could not hold, kept for the next step
+        for pc, x, w in zip(batch, views, flats):
+            kern.kahan(x, w, _flat(pc.st[COMP], pc))
+    else:
+        torch._foreach_copy_(flats, views)
 
 
 def run(
@@ -153,28 +236,27 @@ def run(
     names: Sequence[str],
     *,
     whole: bool = False,
+    compiled: bool = False,
 ) -> None:
     """Apply `rule(P, G, *S)` (lists of fp32 tensors, S one list per state in `names`)
     to every parameter, chunk by chunk, with states and weights read and stored in
     `spec`'s forms. `whole`: one chunk per parameter, in its own shape (Muon's
-    matrices). Stochastic rounding seeds from each state's `step`."""
-    todo = _pieces(params, states, whole)
-    budget = block_elements(params[0].device) if params else 0
-    while todo:
-        batch, size = [], 0
-        while todo and (not batch or size + todo[0][4] - todo[0][3] <= budget):
-            i, p, st, a, b = todo.pop(0)
-            batch.append(_Piece(p, grads[i], st, a, b))
-            size += b - a
+    matrices). Stochastic rounding seeds from each state's `step`. `compiled`: the
+    (de)quantisation and rounding through torch.compile (the same numbers, faster)."""
+    kern = K.Kernels(compiled)
+    for batch in _batches(params, grads, states, whole):
         shape = (lambda pc, t: t.view(pc.p.shape)) if whole else (lambda pc, t: t)
-        P = [shape(pc, _weights(pc, spec)) for pc in batch]
-        G = [shape(pc, pc.g.reshape(-1)[pc.a : pc.b].float()) for pc in batch]
-        S = [[shape(pc, read(pc.st, n, pc.a, pc.b)) for pc in batch] for n in names]
-        rule(P, G, *S)
-        for k, pc in enumerate(batch):
-            for n, lst in zip(names, S):
-                write(pc.st, n, pc.a, pc.b, lst[k].reshape(-1))
-            _put_weights(pc, spec)
+        P = _weights(batch)
+        G = _widen(batch, [pc.g.reshape(-1)[pc.a : pc.b] for pc in batch], "g")
+        ios = [_StateIO(batch, n, j, kern) for j, n in enumerate(names)]
+        rule(
+            [shape(pc, t) for pc, t in zip(batch, P)],
+            [shape(pc, t) for pc, t in zip(batch, G)],
+            *[[shape(pc, t) for pc, t in zip(batch, io.views)] for io in ios],
+        )
+        for io in ios:
+            io.store()
+        _put_weights(batch, P, spec, kern)
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -235,6 +317,9 @@ class CompactStates:
     #: how states are stored and bf16 weights updated; set by build_optimizer from
     #: optimizer.state_dtype and precision.master_update
     compact: Compact = FP32
+    #: (de)quantisation and rounding through torch.compile (`optimizer.compile`; the
+    #: same numbers as eager, see `compact_kernels`)
+    compact_compiled: bool = False
     #: what `load_state_dict` converted, for the caller to say
     conversions: tuple[str, ...] = ()
     state: Any
@@ -293,4 +378,13 @@ class CompactStates:
                     st["step"] = _step0()
                 if not counted:
                     st["step"] += 1
-        run(self.compact, rule, params, [p.grad for p in params], states, names, whole=whole)
+        run(
+            self.compact,
+            rule,
+            params,
+            [p.grad for p in params],
+            states,
+            names,
+            whole=whole,
+            compiled=self.compact_compiled,
+        )
