@@ -8,7 +8,8 @@ Each variant holds its own parameters (one flat tensor of `--numel` elements, or
 main job's parameter shapes with `--shapes main`) with fixed gradients and steps them;
 the variants take turns step by step (the order rotating), so that load from other
 processes hits them alike; each time is the median over the steps after two warm ones,
-and the best of them (the least disturbed by other processes on a shared machine). Ratios are against fp32 states *in the same mode*: eager against eager, compiled
+and the best of them (the least disturbed by other processes on a shared machine).
+Ratios are against fp32 states *in the same mode*: eager against eager, compiled
 (`optimizer.compile: true`: for AdamW the fp32 rule itself is fused; for compact states
 also the (de)quantisation and rounding) against compiled. The compiled kernels are built
 in a warm-up before timing (seconds to minutes on a busy machine; torch caches them).
