@@ -186,11 +186,12 @@ def test_rank_without_tokens_finishes_and_matches():
     x = r0["x"].clone().requires_grad_()
     y = layer(x)
     y.square().sum().backward()
-    assert torch.allclose(r0["dx"], x.grad, atol=1e-5)
+    # gradients of a squared sum reach ~1e5: compare relatively (fp32 ulp there ~8e-3)
+    assert torch.allclose(r0["dx"], x.grad, rtol=1e-5, atol=1e-5)
     assert torch.allclose(r0["y"], y, atol=1e-6)
-    assert torch.allclose(r0["router"], layer.router.weight.grad, atol=1e-5)
+    assert torch.allclose(r0["router"], layer.router.weight.grad, rtol=1e-5, atol=1e-5)
     got = torch.cat([r0["gate_up"], r1["gate_up"]])  # rank 1's experts: rank 0's tokens
-    assert torch.allclose(got, layer.experts.gate_up.grad, atol=1e-5)
+    assert torch.allclose(got, layer.experts.gate_up.grad, rtol=1e-5, atol=1e-5)
     for r in (r0, r1):  # counts; out and back; both again in backward
         assert r["sent"]["experts"]["all_to_all"]["calls"] == 5
 
