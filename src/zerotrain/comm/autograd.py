@@ -38,20 +38,20 @@ def _exchange(comm: Comm, x: Tensor, scatter_dim: int, gather_dim: int,
     return torch.cat(recv.unbind(0), dim=gather_dim)  # recv[s]: rank s's piece for us
 
 
-class AllToAll(torch.autograd.Function):
-    """`all_to_all_dims` as an autograd function: its backward is the inverse exchange."""
+class Swapped(torch.autograd.Function):
+    """An exchange `fn(comm, x, a, b, purpose)` whose backward is the same exchange with
+    `a` and `b` swapped (dimensions for `all_to_all_dims`, split lists for
+    `all_to_all_rows`): the inverse permutation of the same bytes."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, scatter_dim: int, gather_dim: int,
-                purpose: str) -> Tensor:
-        ctx.comm, ctx.dims, ctx.purpose = comm, (scatter_dim, gather_dim), purpose
-        return _exchange(comm, x, scatter_dim, gather_dim, purpose)
+    def forward(ctx, x: Tensor, fn, comm: Comm, a, b, purpose: str) -> Tensor:
+        ctx.fn, ctx.comm, ctx.ab, ctx.purpose = fn, comm, (a, b), purpose
+        return fn(comm, x, a, b, purpose)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        scatter_dim, gather_dim = ctx.dims
-        return _exchange(ctx.comm, grad, gather_dim, scatter_dim, ctx.purpose), \
-            None, None, None, None
+        a, b = ctx.ab
+        return ctx.fn(ctx.comm, grad, b, a, ctx.purpose), None, None, None, None, None
 
 
 def all_to_all_dims(comm: Comm, x: Tensor, scatter_dim: int, gather_dim: int, *,
@@ -62,7 +62,7 @@ def all_to_all_dims(comm: Comm, x: Tensor, scatter_dim: int, gather_dim: int, *,
     same shapes; a world of one returns `x` itself."""
     if comm.world_size == 1:
         return x
-    return AllToAll.apply(x, comm, scatter_dim, gather_dim, purpose)
+    return Swapped.apply(x, _exchange, comm, scatter_dim, gather_dim, purpose)
 
 
 def _exchange_rows(comm: Comm, x: Tensor, send: list[int], recv: list[int],
@@ -78,22 +78,6 @@ def _exchange_rows(comm: Comm, x: Tensor, send: list[int], recv: list[int],
     return out
 
 
-class AllToAllRows(torch.autograd.Function):
-    """`all_to_all_rows` as an autograd function: the backward swaps the splits."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, send: list[int], recv: list[int],
-                purpose: str) -> Tensor:
-        ctx.comm, ctx.splits, ctx.purpose = comm, (send, recv), purpose
-        return _exchange_rows(comm, x, send, recv, purpose)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        send, recv = ctx.splits
-        return _exchange_rows(ctx.comm, grad, recv, send, ctx.purpose), \
-            None, None, None, None
-
-
 def all_to_all_rows(comm: Comm, x: Tensor, send: list[int], recv: list[int], *,
                     purpose: str = "experts") -> Tensor:
     """Send `send[d]` consecutive rows of `x` to rank d; receive `recv[s]` rows from
@@ -101,4 +85,4 @@ def all_to_all_rows(comm: Comm, x: Tensor, send: list[int], recv: list[int], *,
     splits that agree pairwise (rank a's send[b] = rank b's recv[a])."""
     if comm.world_size == 1:
         return x
-    return AllToAllRows.apply(x, comm, list(send), list(recv), purpose)
+    return Swapped.apply(x, _exchange_rows, comm, list(send), list(recv), purpose)
