@@ -82,6 +82,20 @@ def _groups(net: nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
 
 
+def _train_beside(engine, ref, ref_opt, sched=None) -> None:
+    """STEPS steps of the engine and of the torch reference on the same batches."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x, y = torch.randn(4, 16, generator=g), torch.randint(0, 8, (4,), generator=g)
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        if sched is not None:
+            sched.step()
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("fused", [True, False])
 def test_client_adamw_through_the_engine_equals_torch(stage, fused):
@@ -108,15 +122,7 @@ def test_client_adamw_through_the_engine_equals_torch(stage, fused):
         config=cfg,
         lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5)),
     )
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        x, y = torch.randn(4, 16, generator=g), torch.randint(0, 8, (4,), generator=g)
-        engine.backward(nn.functional.cross_entropy(engine(x), y))
-        engine.step()
-        ref_opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-        sched.step()
+    _train_beside(engine, ref, ref_opt, sched)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     for n, p in ref.named_parameters():
@@ -142,14 +148,7 @@ def test_config_adamw_with_torch_adam_equals_torch():
         },
     }
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        x, y = torch.randn(4, 16, generator=g), torch.randint(0, 8, (4,), generator=g)
-        engine.backward(nn.functional.cross_entropy(engine(x), y))
-        engine.step()
-        ref_opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
+    _train_beside(engine, ref, ref_opt)
     got = dict(engine.module.named_parameters())
     for n, p in ref.named_parameters():
         assert torch.equal(got[n].detach(), p.detach()), n
