@@ -7,7 +7,8 @@ checkpoints resume at another EP degree; bad settings are one error each."""
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from test_moe_zero import route
 
 from multirank import run_ranks
 from zero_harness import batches, make_config, rel_err
@@ -35,13 +36,23 @@ def engine(cfg):
     return Engine(build_model(cfg.model), cfg, torch.device("cpu"))
 
 
-def route(eng, bias) -> None:
-    if bias is None:
-        return
-    b = torch.tensor(bias)
-    for blk in eng.module.blocks:
-        r = blk.mlp.router
-        r.forward = lambda h, r=r: F.linear(h, r.weight) + b.to(h.dtype)
+def steps_of(eng, steps: int, after=None) -> tuple[list[float], list[float]]:
+    """`steps` steps on this rank's slice of the shared batches: the world's mean loss and
+    the gradient norm per step; `after()` runs after each step."""
+    from zerotrain.comm.dist import world
+
+    rank, n = world()
+    b = eng.config.data.micro_batch_size
+    losses, norms = [], []
+    for X, Y in batches(steps):
+        loss = eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b])
+        eng.backward(loss)
+        info = eng.step()
+        losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
+        norms.append(info.grad_norm)
+        if after is not None:
+            after()
+    return losses, norms
 
 
 def whole(eng) -> dict[str, torch.Tensor]:
@@ -65,21 +76,17 @@ def train(stage: int, ep: int, steps: int = 3, bias=None, **extra) -> dict:
     from zerotrain.comm.dist import world
     from zerotrain.models.moe import take_stats
 
-    rank, n = world()
+    n = world()[1]
     cfg = cfg_for(stage, ep, n, steps, **extra)
     eng = engine(cfg)
     route(eng, bias)
-    b = cfg.data.micro_batch_size
-    losses, norms, sent, counts = [], [], [], []
-    for X, Y in batches(steps):
-        loss = eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b])
-        eng.backward(loss)
-        info = eng.step()
-        losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
-        norms.append(info.grad_norm)
+    sent, counts = [], []
+
+    def record() -> None:
         a2a = eng.last_traffic.get("experts", {}).get("all_to_all", {})
         sent.append(a2a.get("sent_bytes", 0))
         counts.append(take_stats(eng.module)[:, :E].tolist())
+    losses, norms = steps_of(eng, steps, record)
     experts = sum(p.numel() for m, p in eng.module.named_parameters() if ".experts." in m)
     res = {"params": whole(eng), "losses": losses, "norms": norms, "sent": sent,
            "counts": counts, "expert_numel": experts}
@@ -285,20 +292,13 @@ def train_hf(folder: str, stage: int, ep: int, steps: int = 3) -> dict:
     from zerotrain.comm.dist import world
     from zerotrain.run.setup import build
 
-    rank, n = world()
+    n = world()[1]
     moe = {"moe": {"expert_parallel": ep}} if ep > 1 else {}
     cfg = make_config({"model": {"hf": folder, "n_layer": None, "n_head": None,
                                  "n_embd": None, **moe}, "zero": {"stage": stage},
                        "optimizer": {"name": "sgd", "lr": 0.05, "grad_clip": 0.0}}, n, steps)
     eng = build(cfg, torch.device("cpu"))
-    b = cfg.data.micro_batch_size
-    losses, norms = [], []
-    for X, Y in batches(steps):
-        loss = eng(X[rank * b:(rank + 1) * b], Y[rank * b:(rank + 1) * b])
-        eng.backward(loss)
-        info = eng.step()
-        losses.append(float(eng.comm.all_reduce_scalars([loss.item()])[0]) / n)
-        norms.append(info.grad_norm)
+    losses, norms = steps_of(eng, steps)
     experts = sum(p.numel() for m, p in eng.module.named_parameters() if ".experts." in m)
     res = {"params": whole(eng), "losses": losses, "norms": norms, "expert_numel": experts}
     eng.close()
