@@ -124,8 +124,12 @@ class Strategy(StrategyState):
     # ================================================================ tiers (ZeRO-Infinity)
     def moving_tiers(self) -> list[Any]:
         """The tiers that really move bytes (each once: parts may share one)."""
-        found = self.placement.moving_tiers()
+        found = self.param_tiers() + self.placement.moving_tiers()
         return list({id(t): t for t in found}.values())
+
+    def param_tiers(self) -> list[Any]:
+        """The tiers parameter shards live in between uses (ZeRO-3's store; none here)."""
+        return []
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes each tier read and wrote since the last call (the engine's step)."""

@@ -89,7 +89,8 @@ class StrategyState:
         """Each unit's master from `value(u)`, published; a home that keeps masters in a
         tier gets each one back before the next unit's is read (no-ops elsewhere)."""
         home = self.placement
-        home.lazy_states()  # the optimizer's current moments bound to their homes
+        for u in self.units:  # the optimizer's current moments bound to their homes
+            home.bind(u)
         with torch.no_grad():
             for u in self.units_of_index(only):
                 home.claim(u)

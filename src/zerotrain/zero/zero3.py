@@ -173,6 +173,5 @@ class ZeRO3(ZeRO2):
     def gathered_bytes(self) -> int:
         return self.store.gathered_bytes()
 
-    def moving_tiers(self) -> list[Any]:
-        found = self.store.moving_tiers() + self.placement.moving_tiers()
-        return list({id(t): t for t in found}.values())
+    def param_tiers(self) -> list[Any]:
+        return self.store.moving_tiers()
