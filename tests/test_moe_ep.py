@@ -191,14 +191,18 @@ def test_rank_without_tokens_finishes_and_matches():
         layer.experts.gate_up.copy_(r0["full"][0])
         layer.experts.down.copy_(r0["full"][1])
     x = r0["x"].clone().requires_grad_()
-    y = layer(x)
-    y.square().sum().backward()
-    # gradients of a squared sum reach ~1e5: compare relatively (fp32 ulp there ~8e-3)
-    assert torch.allclose(r0["dx"], x.grad, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: gradients of ~1e5 cancel, so the matmuls'
+    try:  # split across threads would move them by more than the bounds below
+        y = layer(x)
+        y.square().sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(r0["dx"], x.grad, atol=1e-5)
     assert torch.allclose(r0["y"], y, atol=1e-6)
-    assert torch.allclose(r0["router"], layer.router.weight.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(r0["router"], layer.router.weight.grad, atol=1e-5)
     got = torch.cat([r0["gate_up"], r1["gate_up"]])  # rank 1's experts: rank 0's tokens
-    assert torch.allclose(got, layer.experts.gate_up.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got, layer.experts.gate_up.grad, atol=1e-5)
     for r in (r0, r1):  # counts; out and back; both again in backward
         assert r["sent"]["experts"]["all_to_all"]["calls"] == 5
 
